@@ -1,0 +1,4 @@
+def main():
+    print("stub")
+if __name__ == "__main__":
+    main()

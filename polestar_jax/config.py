@@ -1,0 +1,219 @@
+"""Configurations as frozen dataclasses.
+
+* :class:`ModelConfig`: the LLaDA architecture, read from a Hugging Face ``config.json``.
+* :class:`DecodeConfig`: which decoder runs (``llada``, ``fastdllm``) and its knobs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal, Optional
+
+from polestar_jax.errors import ConfigError
+
+# Fields of an HF LLaDA config.json whose value must be exactly this for the architecture we implement.
+_REQUIRED_VALUES: dict[str, Any] = {
+    "block_type": "llama",
+    "layer_norm_type": "rms",
+    "activation_type": "silu",
+    "rope": True,
+    "alibi": False,
+    "weight_tying": False,
+    "include_bias": False,
+    "scale_logits": False,
+    "input_emb_norm": False,
+    "attention_layer_norm": False,
+    "block_group_size": 1,
+}
+_REQUIRED_FIELDS = ("d_model", "n_heads", "n_layers", "mlp_hidden_size", "vocab_size", "mask_token_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a LLaDA model (``block_type=llama``).
+
+    Attributes mirror the HF ``config.json`` of LLaDA-8B-Instruct; ``embedding_size`` is the number of rows
+    of the embedding and LM-head matrices (>= ``vocab_size``).
+    """
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+    mlp_hidden_size: int
+    vocab_size: int
+    embedding_size: int
+    mask_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    max_sequence_length: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    include_qkv_bias: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
+        """Builds a config from a parsed HF ``config.json``; raises :class:`ConfigError` on anything we
+        cannot run (another architecture, missing fields, inconsistent shapes)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object")
+        model_type = d.get("model_type", "llada")
+        if model_type != "llada":
+            raise ConfigError(f"{source}: model_type {model_type!r} is not a LLaDA model (expected 'llada')")
+        missing = [f for f in _REQUIRED_FIELDS if f not in d]
+        if missing:
+            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+        for key, want in _REQUIRED_VALUES.items():
+            if key in d and d[key] is not None and d[key] != want:
+                raise ConfigError(f"{source}: unsupported {key}={d[key]!r} (this implementation needs {want!r})")
+        if d.get("include_qkv_bias"):
+            raise ConfigError(f"{source}: unsupported include_qkv_bias=True")
+        n_heads = int(d["n_heads"])
+        n_kv = d.get("n_kv_heads") or n_heads
+        if d.get("multi_query_attention"):
+            n_kv = 1
+        vocab = int(d["vocab_size"])
+        emb = int(d.get("embedding_size") or vocab)
+        cfg = cls(
+            d_model=int(d["d_model"]),
+            n_heads=n_heads,
+            n_kv_heads=int(n_kv),
+            n_layers=int(d["n_layers"]),
+            mlp_hidden_size=int(d["mlp_hidden_size"]),
+            vocab_size=vocab,
+            embedding_size=emb,
+            mask_token_id=int(d["mask_token_id"]),
+            eos_token_id=int(d.get("eos_token_id", d.get("pad_token_id", 0))),
+            pad_token_id=int(d.get("pad_token_id", d.get("eos_token_id", 0))),
+            max_sequence_length=int(d.get("max_sequence_length", 4096)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        )
+        cfg.validate(source)
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str) -> "ModelConfig":
+        """Reads ``path`` (a ``config.json`` or a folder holding one)."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d, source=path)
+
+    def validate(self, source: str = "config") -> None:
+        for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{source}: {name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"{source}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"{source}: head dim {self.head_dim} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"{source}: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.embedding_size < self.vocab_size:
+            raise ConfigError(f"{source}: embedding_size {self.embedding_size} < vocab_size {self.vocab_size}")
+        if not 0 <= self.mask_token_id < self.embedding_size:
+            raise ConfigError(f"{source}: mask_token_id {self.mask_token_id} outside the embedding")
+
+    def to_hf_dict(self) -> dict:
+        """The HF ``config.json`` fields this config was read from (enough to load it again)."""
+        return {
+            "architectures": ["LLaDAModelLM"], "model_type": "llada",
+            "activation_type": "silu", "alibi": False, "attention_layer_norm": False, "block_group_size": 1,
+            "block_type": "llama", "d_model": self.d_model, "embedding_size": self.embedding_size,
+            "eos_token_id": self.eos_token_id, "include_bias": False, "include_qkv_bias": False,
+            "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
+            "mask_token_id": self.mask_token_id, "max_sequence_length": self.max_sequence_length,
+            "mlp_hidden_size": self.mlp_hidden_size, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+            "n_layers": self.n_layers, "pad_token_id": self.pad_token_id, "rms_norm_eps": self.rms_norm_eps,
+            "rope": True, "rope_full_precision": True, "rope_theta": self.rope_theta, "scale_logits": False,
+            "vocab_size": self.vocab_size, "weight_tying": False,
+        }
+
+
+Cache = Literal["none", "prefix", "dual"]
+Rule = Literal["fixed", "threshold", "factor"]
+
+DECODERS = ("llada", "fastdllm")
+CACHES = ("none", "prefix", "dual")
+REMASKING = ("low_confidence", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode: the sampler configuration shared by all decoders.
+
+    * ``decoder="llada"``: LLaDA's sampler: ``steps // num_blocks`` forwards per block, a fixed number of
+      tokens committed per forward, no cache (``cache`` must be ``"none"``, no ``threshold``/``factor``).
+    * ``decoder="fastdllm"``: Fast-dLLM's sampler: ``threshold`` (commit every candidate with
+      confidence >= threshold, the most confident always), ``factor`` (Fast-dLLM's dynamic rule) or, with
+      neither, the fixed schedule; ``cache`` ``none`` / ``prefix`` / ``dual``.
+    """
+
+    decoder: str = "fastdllm"
+    cache: str = "dual"
+    gen_length: int = 128
+    block_length: int = 32
+    steps: Optional[int] = None  # default: gen_length
+    threshold: Optional[float] = 0.9
+    factor: Optional[float] = None
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+
+    def __post_init__(self):
+        if self.steps is None:
+            object.__setattr__(self, "steps", self.gen_length)
+        self.validate()
+
+    @property
+    def rule(self) -> Rule:
+        if self.factor is not None:
+            return "factor"
+        if self.threshold is not None:
+            return "threshold"
+        return "fixed"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    def validate(self) -> None:
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"unknown decoder {self.decoder!r} (choose from {', '.join(DECODERS)})")
+        if self.cache not in CACHES:
+            raise ConfigError(f"unknown cache {self.cache!r} (choose from {', '.join(CACHES)})")
+        if self.remasking not in REMASKING:
+            raise ConfigError(f"unknown remasking {self.remasking!r} (choose from {', '.join(REMASKING)})")
+        if self.gen_length <= 0 or self.block_length <= 0:
+            raise ConfigError("gen length and block length must be positive")
+        if self.gen_length % self.block_length:
+            raise ConfigError(f"gen length {self.gen_length} is not a multiple of block length {self.block_length}")
+        if self.steps <= 0 or self.steps % self.num_blocks:
+            raise ConfigError(f"steps {self.steps} is not a positive multiple of the number of blocks {self.num_blocks}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.factor is not None and not self.factor > 0:
+            raise ConfigError(f"factor must be positive, got {self.factor}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.decoder == "llada":
+            if self.cache != "none":
+                raise ConfigError("decoder 'llada' has no cache (use --cache none or decoder fastdllm)")
+            if self.threshold is not None or self.factor is not None:
+                raise ConfigError("decoder 'llada' commits a fixed number of tokens per step; "
+                                  "threshold/factor belong to decoder 'fastdllm'")
