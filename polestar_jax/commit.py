@@ -1,0 +1,100 @@
+"""Commit rules: which masked positions of the current block take their predicted token this step.
+
+All rules share one scoring step (:func:`predict`): ``x0`` = argmax of the (optionally Gumbel-perturbed)
+logits, never the mask token, and ``conf`` = softmax probability of ``x0`` (or a uniform draw for
+``remasking="random"``), -inf on positions that are not candidates. Candidates are ranked by confidence,
+ties towards the lowest index (:func:`rank_desc`). Then:
+
+* ``fixed``: the ``k`` most confident candidates (LLaDA's ``get_num_transfer_tokens`` schedule).
+* ``threshold``: the most confident candidate always, every other one iff ``conf >= threshold``
+  (Fast-dLLM ``get_transfer_index``).
+* ``factor``: Fast-dLLM's ``get_transfer_index_dynamic``: with candidates sorted by confidence, the
+  ``j``-th (0-based) passes iff ``conf_j >= 1 - factor / (j + 2)``; the count committed is the index of the
+  first failure (at least 1), and all ``n`` when the first failure is the last candidate (as the reference).
+
+Shapes: ``logits`` [b, T, V] float32, ``masked`` [b, T] bool; outputs [b, T].
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+
+class Prediction(NamedTuple):
+    x0: jax.Array  # [b, T] int32 predicted token (never the mask id)
+    conf: jax.Array  # [b, T] float32 confidence on candidates, -inf elsewhere
+    prob: jax.Array  # [b, T] float32 softmax probability of x0 (all rows)
+
+
+def predict(
+    logits: jax.Array,
+    masked: jax.Array,
+    mask_id: int,
+    temperature: jax.Array | float = 0.0,
+    noise_keys: Optional[jax.Array] = None,
+    random_remask: bool = False,
+) -> Prediction:
+    """Predicted tokens and confidences for one forward's block rows.
+
+    ``temperature`` > 0 perturbs the logits with Gumbel noise as LLaDA does
+    (``argmax exp(l) / (-log u)^T`` = ``argmax l + T * g``, g ~ Gumbel(0, 1)); ``noise_keys`` [b, 2] (one
+    key per row) is then required. The confidence is the probability of ``x0`` under the un-perturbed
+    softmax. With ``random_remask`` the confidence is a uniform draw instead (LLaDA ``remasking="random"``).
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    not_mask = jnp.arange(vocab) != mask_id
+    scored = logits
+    if noise_keys is not None:
+        g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(noise_keys)
+        scored = logits + jnp.asarray(temperature, jnp.float32) * g
+    # J1: the mask token is never a prediction, so every commit makes progress.
+    x0 = jnp.argmax(jnp.where(not_mask, scored, -jnp.inf), axis=-1).astype(jnp.int32)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
+    lx = jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0]
+    prob = jnp.exp(lx - m[..., 0] - lse)
+    conf = prob
+    if random_remask:
+        conf = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), masked.shape[1:]))(noise_keys)
+    conf = jnp.where(masked, conf, -jnp.inf)
+    return Prediction(x0, conf, prob)
+
+
+def rank_desc(conf: jax.Array) -> jax.Array:
+    """Rank of each position by descending ``conf`` [b, T] (0 = most confident; ties: lower index first)."""
+    order = jnp.argsort(-conf, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
+
+
+def commit_fixed(conf: jax.Array, masked: jax.Array, k: jax.Array) -> jax.Array:
+    """The ``k`` [b] most confident candidates."""
+    return masked & (rank_desc(conf) < k[:, None])
+
+
+def commit_threshold(conf: jax.Array, masked: jax.Array, threshold: jax.Array | float) -> jax.Array:
+    """The most confident candidate, and every candidate with ``conf >= threshold``."""
+    return masked & ((rank_desc(conf) == 0) | (conf >= threshold))
+
+
+def commit_factor(conf: jax.Array, masked: jax.Array, factor: jax.Array | float) -> jax.Array:
+    """Fast-dLLM's dynamic ("factor") rule, reproduced including its last-candidate quirk."""
+    n = jnp.sum(masked, axis=-1)  # [b]
+    srt = -jnp.sort(-conf, axis=-1)  # descending; candidates first, -inf after
+    j = jnp.arange(conf.shape[-1])
+    thr = jnp.where(j == 0, -1.0, 1.0 - factor / (j + 2.0))
+    fail = (srt < thr) & (j < n[:, None])
+    first_fail = jnp.min(jnp.where(fail, j, conf.shape[-1]), axis=-1)  # [b]
+    count = jnp.where(first_fail >= n - 1, n, first_fail)
+    return masked & (rank_desc(conf) < count[:, None])
+
+
+def fixed_schedule(n_masked: jax.Array, steps: int, i: jax.Array) -> jax.Array:
+    """LLaDA's ``get_num_transfer_tokens``: tokens to commit at step ``i`` when ``n_masked`` [b] masked
+    tokens are spread over ``steps`` steps (the first ``n % steps`` steps take one more); 0 for i >= steps."""
+    base = n_masked // steps
+    rem = n_masked % steps
+    k = base + (i < rem).astype(n_masked.dtype)
+    return jnp.where(i < steps, k, 0)

@@ -1,0 +1,100 @@
+"""The public ``generate()`` API: prompts in, tokens and statistics out (no I/O, no CLI).
+
+The host loop runs over blocks only; each block is one compiled call (:func:`polestar_jax.step.decode_block_jit`)
+dispatched asynchronously, so the host never waits for the device inside a generation; results are read
+once at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from polestar_jax.config import DecodeConfig, ModelConfig
+from polestar_jax.errors import PolestarError
+from polestar_jax.state import DecodeState, init_state, padded_length
+from polestar_jax.step import EngineSpec, Knobs, decode_block_jit
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Output of :func:`generate` for a batch of b prompts.
+
+    tokens       [b, G] int   generated tokens (the block region, after the prompt).
+    commit_step  [b, G] int   which forward of the row committed each token.
+    nfe          [b]    int   forwards per row.
+    seconds      float        wall time of the decode loop (dispatch to last result), compile excluded
+                              when ``warmup`` ran; ``compile_seconds`` the time of the first (compiling) call.
+    """
+
+    tokens: np.ndarray
+    commit_step: np.ndarray
+    nfe: np.ndarray
+    seconds: float
+    compile_seconds: float = 0.0
+
+    def trajectory(self, row: int) -> list[list[tuple[int, int]]]:
+        """Per forward, the (position within the generation, token) pairs committed, in position order."""
+        n = int(self.nfe[row])
+        out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        for j, (s, t) in enumerate(zip(self.commit_step[row], self.tokens[row])):
+            if 0 <= s < n:
+                out[s].append((j, int(t)))
+        return out
+
+    def commits_per_forward(self, row: int) -> list[int]:
+        return [len(t) for t in self.trajectory(row)]
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: DecodeConfig) -> None:
+    """Raises :class:`PolestarError` for empty prompts, out-of-vocabulary ids or too long sequences."""
+    if len(prompts) == 0:
+        raise PolestarError("no prompt given")
+    for r, p in enumerate(prompts):
+        if len(p) == 0:
+            raise PolestarError(f"prompt {r} is empty")
+        if len(p) + dcfg.gen_length > mcfg.max_sequence_length:
+            raise PolestarError(
+                f"prompt {r} has {len(p)} tokens; with gen length {dcfg.gen_length} that exceeds the model's "
+                f"max_sequence_length {mcfg.max_sequence_length}")
+        a = np.asarray(p)
+        if a.min() < 0 or a.max() >= mcfg.embedding_size:
+            raise PolestarError(f"prompt {r} has token ids outside [0, {mcfg.embedding_size})")
+
+
+def generate(
+    params,
+    mcfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    dcfg: DecodeConfig,
+    seed: int | Sequence[int] = 0,
+    pad_multiple: int = 16,
+    prompt_slot: Optional[int] = None,
+) -> GenerateResult:
+    """Generates ``dcfg.gen_length`` tokens after each prompt.
+
+    params:  the parameter pytree of :mod:`polestar_jax.model`.
+    prompts: b token-id lists (any lengths); they are left-padded to ``prompt_slot`` (default: the longest
+             rounded up to ``pad_multiple``), so prompts of one bucket share one compiled executable.
+    seed:    an int (row r uses seed + r) or one seed per row; used only when sampling is random.
+    """
+    check_prompts(prompts, mcfg, dcfg)
+    slot = prompt_slot or padded_length([len(p) for p in prompts], pad_multiple)
+    if slot < max(len(p) for p in prompts):
+        raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
+    seeds = [seed + r for r in range(len(prompts))] if isinstance(seed, int) else list(seed)
+    spec = EngineSpec.from_config(mcfg, dcfg)
+    knobs = Knobs.from_config(dcfg)
+    dtype = jax.tree.leaves(params)[0].dtype
+    state = init_state(prompts, mcfg, dcfg.gen_length, slot, seeds, cache=dcfg.cache != "none", dtype=dtype)
+    t0 = time.perf_counter()
+    for blk in range(dcfg.num_blocks):
+        state = decode_block_jit(params, state, jnp.int32(blk), knobs, spec)
+    x, cstep, nfe = jax.device_get((state.x, state.commit_step, state.nfe))
+    seconds = time.perf_counter() - t0
+    return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
+                          nfe=np.asarray(nfe), seconds=seconds)

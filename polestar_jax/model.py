@@ -1,0 +1,228 @@
+"""The LLaDA transformer as pure functions over a parameter pytree.
+
+LLaDA (``block_type=llama``) is a pre-norm transformer with bidirectional attention:
+
+    x = wte[ids]
+    for each layer:  x = x + Attn(RMSNorm(x));  x = x + SwiGLU(RMSNorm(x))
+    logits = RMSNorm(x) @ lm_head
+
+RMSNorm is computed in float32 and cast back; RoPE is the "rotate-half" (NeoX) form, computed in float32;
+attention has no causal mask (an optional key mask hides left padding); the LM head is untied.
+
+Parameters (a nested dict; per-layer weights stacked on axis 0 so the layers run under ``lax.scan``;
+linear weights are stored ``[in, out]``)::
+
+    wte      [V, D]          blocks/attn_norm [N, D]     blocks/wq [N, D, H*hd]   blocks/wk [N, D, KV*hd]
+    ln_f     [D]             blocks/ff_norm   [N, D]     blocks/wv [N, D, KV*hd]  blocks/wo [N, H*hd, D]
+    lm_head  [D, V]          blocks/w_gate    [N, D, F]  blocks/w_up [N, D, F]    blocks/w_down [N, F, D]
+
+The KV cache convention follows the PyTorch code: keys are stored *before* RoPE and rotated with their
+absolute positions on every forward.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from polestar_jax.config import ModelConfig
+
+Params = dict[str, Any]
+LayerParams = dict[str, jax.Array]
+
+_NEG = -1e30  # finite "minus infinity" for masked keys: keeps fully masked rows NaN-free
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as LLaDA computes it: normalise in float32, cast back to ``x.dtype``, then scale.
+
+    x: [..., D]; weight: [D]. Returns [..., D] in ``x.dtype``.
+    """
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = (xf * lax.rsqrt(var + eps)).astype(x.dtype)
+    return (weight * y).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables of rotate-half RoPE for integer ``positions`` [b, T]; returns two [b, T, hd] float32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [hd/2]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, T, hd/2]
+    ang = jnp.concatenate([freqs, freqs], axis=-1)  # [b, T, hd]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(t: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates ``t`` [b, heads, T, hd] with tables [b, T, hd] (float32 math, result in ``t.dtype``)."""
+    tf = t.astype(jnp.float32)
+    half = t.shape[-1] // 2
+    rot = jnp.concatenate([-tf[..., half:], tf[..., :half]], axis=-1)
+    return (tf * cos[:, None] + rot * sin[:, None]).astype(t.dtype)
+
+
+def _split_heads(y: jax.Array, n: int) -> jax.Array:
+    """[b, T, n*hd] -> [b, n, T, hd]."""
+    b, t, _ = y.shape
+    return y.reshape(b, t, n, -1).transpose(0, 2, 1, 3)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.Array]) -> jax.Array:
+    """Bidirectional attention with rotated ``q`` [b, H, T, hd], ``k``/``v`` [b, KV, L, hd] (GQA when KV < H).
+
+    ``key_valid`` [b, L] (bool) hides padded keys. Softmax in float32. Returns [b, H, T, hd] in q.dtype.
+    """
+    b, h, t, hd = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, kv, h // kv, t, hd)
+    s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
+        jnp.float32(hd))
+    if key_valid is not None:
+        s = jnp.where(key_valid[:, None, None, None, :], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgtl,bkld->bkgtd", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return o.reshape(b, h, t, hd)
+
+
+class Rope(NamedTuple):
+    """RoPE tables for the queries ([b, T, hd]) and for all L keys ([b, L, hd])."""
+
+    q_cos: jax.Array
+    q_sin: jax.Array
+    k_cos: jax.Array
+    k_sin: jax.Array
+
+
+def layer_forward(
+    lp: LayerParams,
+    h: jax.Array,
+    cfg: ModelConfig,
+    rope: Rope,
+    key_valid: Optional[jax.Array],
+    cache: Optional[tuple[jax.Array, jax.Array]] = None,
+    start: Any = 0,
+    write: Optional[jax.Array] = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One LLaDA block for query rows ``h`` [b, T, D] at positions ``start .. start+T-1``.
+
+    Without ``cache`` the rows are the whole sequence (T == L). With ``cache`` = (K, V) [b, KV, L, hd]
+    (un-rotated keys), the rows' fresh K/V replace the cached ones at ``[start, start+T)`` before attention
+    (Fast-dLLM's ``replace_position``); where ``write`` [b, T] is False the cached entry is kept instead.
+
+    Returns the layer output [b, T, D] and the K/V rows that were written ([b, KV, T, hd] each).
+    """
+    xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    q = _split_heads(xn @ lp["wq"], cfg.n_heads)
+    k = _split_heads(xn @ lp["wk"], cfg.n_kv_heads)
+    v = _split_heads(xn @ lp["wv"], cfg.n_kv_heads)
+    if cache is None:
+        k_all, v_all = k, v
+    else:
+        t = h.shape[1]
+        if write is not None:
+            w = write[:, None, :, None]
+            k = jnp.where(w, k, lax.dynamic_slice_in_dim(cache[0], start, t, axis=2))
+            v = jnp.where(w, v, lax.dynamic_slice_in_dim(cache[1], start, t, axis=2))
+        k_all = lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=2)
+        v_all = lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=2)
+    qr = apply_rope(q, rope.q_cos, rope.q_sin)
+    kr = apply_rope(k_all, rope.k_cos, rope.k_sin)
+    a = attention(qr, kr, v_all, key_valid)  # [b, H, T, hd]
+    b_, _, t_, _ = a.shape
+    a = a.transpose(0, 2, 1, 3).reshape(b_, t_, -1)
+    h = h + a @ lp["wo"]
+    xn = rms_norm(h, lp["ff_norm"], cfg.rms_norm_eps)
+    h = h + (jax.nn.silu(xn @ lp["w_gate"]) * (xn @ lp["w_up"])) @ lp["w_down"]
+    return h, (k, v)
+
+
+def embed(params: Params, ids: jax.Array) -> jax.Array:
+    """Token embeddings: ids [b, T] int -> [b, T, D] (no scaling)."""
+    return jnp.take(params["wte"], ids, axis=0)
+
+
+def lm_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final RMSNorm and untied head: [b, T, D] -> float32 logits [b, T, V]."""
+    hn = rms_norm(h, params["ln_f"], cfg.rms_norm_eps)
+    return jnp.einsum("btd,dv->btv", hn, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+class ForwardOut(NamedTuple):
+    """Output of :func:`forward`."""
+
+    h: jax.Array  # [b, T, D] last layer output (before ln_f)
+    kv: tuple[jax.Array, jax.Array]  # written K/V rows, stacked over layers: [N, b, KV, T, hd] each
+    hidden: Optional[jax.Array]  # [N, b, T, D] the input of every layer (when collect_hidden)
+
+
+def forward(
+    params: Params,
+    ids: jax.Array,
+    cfg: ModelConfig,
+    q_pos: jax.Array,
+    key_pos: jax.Array,
+    key_valid: Optional[jax.Array] = None,
+    cache: Optional[tuple[jax.Array, jax.Array]] = None,
+    start: Any = 0,
+    write: Optional[jax.Array] = None,
+    collect_hidden: bool = False,
+) -> ForwardOut:
+    """All layers (under ``lax.scan``) for the query tokens ``ids`` [b, T] at RoPE positions ``q_pos`` [b, T].
+
+    ``key_pos`` [b, L]: RoPE positions of all keys; ``key_valid`` [b, L]: False for padding.
+    ``cache``: stacked (K, V) [N, b, KV, L, hd] or None (then T == L and the keys are the queries' own).
+    ``start``/``write``: where the rows' K/V go in the cache (see :func:`layer_forward`).
+    """
+    qc, qs = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
+    kc, ks = rope_tables(key_pos, cfg.head_dim, cfg.rope_theta)
+    rope = Rope(qc, qs, kc, ks)
+    h0 = embed(params, ids)
+
+    def body(h, xs):
+        lp, layer_cache = xs
+        h_out, kv = layer_forward(lp, h, cfg, rope, key_valid, layer_cache, start, write)
+        return h_out, (kv, h if collect_hidden else None)
+
+    h, (kv, hidden) = lax.scan(body, h0, (params["blocks"], cache))
+    return ForwardOut(h, kv, hidden)
+
+
+def logits_full(params: Params, ids: jax.Array, cfg: ModelConfig,
+                key_valid: Optional[jax.Array] = None) -> jax.Array:
+    """Logits of a plain forward over the whole input ``ids`` [b, L] (positions 0..L-1): [b, L, V] float32."""
+    b, length = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    out = forward(params, ids, cfg, pos, pos, key_valid)
+    return lm_head(params, out.h, cfg)
+
+
+def hidden_states(params: Params, ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """[N+1, b, L, D]: the input of every layer (0 = embeddings) and, last, the output of ``ln_f``."""
+    b, length = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    out = forward(params, ids, cfg, pos, pos, None, collect_hidden=True)
+    final = rms_norm(out.h, params["ln_f"], cfg.rms_norm_eps)
+    return jnp.concatenate([out.hidden, final[None]], axis=0)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
+    """Random parameters in the layout above (for benchmarks and tests; not a trained model)."""
+    d, n, f, v = cfg.d_model, cfg.n_layers, cfg.mlp_hidden_size, cfg.embedding_size
+    hq, hk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    ks = jax.random.split(key, 9)
+
+    def nrm(k, shape, s=std):
+        return (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    return {
+        "wte": nrm(ks[0], (v, d), 1.0),
+        "blocks": {
+            "attn_norm": jnp.ones((n, d), dtype), "ff_norm": jnp.ones((n, d), dtype),
+            "wq": nrm(ks[1], (n, d, hq)), "wk": nrm(ks[2], (n, d, hk)), "wv": nrm(ks[3], (n, d, hk)),
+            "wo": nrm(ks[4], (n, hq, d)), "w_gate": nrm(ks[5], (n, d, f)), "w_up": nrm(ks[6], (n, d, f)),
+            "w_down": nrm(ks[7], (n, f, d)),
+        },
+        "ln_f": jnp.ones((d,), dtype),
+        "lm_head": nrm(ks[8], (d, v)),
+    }

@@ -1,0 +1,268 @@
+"""Tokenizers for LLaDA model folders, read offline from the Hugging Face layout.
+
+A model folder holds ``tokenizer.json`` (a serialized Hugging Face ``tokenizers`` tokenizer) and usually
+``tokenizer_config.json`` (as written by HF ``transformers``: ``chat_template``, ``bos_token``,
+``eos_token``, ``mask_token`` ...; a special token is either a string or a dict with a ``"content"`` key).
+:func:`load_tokenizer` reads both and returns a :class:`Tokenizer` that encodes, decodes and renders the
+chat template the way ``transformers`` does (a sandboxed Jinja2 environment with ``trim_blocks`` and
+``lstrip_blocks``), without importing ``transformers`` or touching the network.
+
+:func:`bundled_model_dir` points at the tiny random LLaDA model shipped with the package (see
+``polestar_jax/assets/tiny_random/README.md``), which lets the command line run without ``--model``.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+from polestar_jax.errors import PolestarError
+
+__all__ = ["Tokenizer", "load_tokenizer", "bundled_model_dir", "BUNDLED_MODEL_NAME"]
+
+#: Name of the folder under ``polestar_jax/assets`` that holds the bundled tiny random model.
+BUNDLED_MODEL_NAME = "tiny_random"
+
+# Special-token fields of tokenizer_config.json passed to the chat template (as transformers does).
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                       "mask_token")
+# Name of LLaDA's mask token in its vocabulary (used when tokenizer_config.json does not name one).
+_LLADA_MASK_TOKEN = "<|mdm_mask|>"
+
+
+def bundled_model_dir() -> str:
+    """Path of the tiny random LLaDA model folder bundled with the package (``assets/tiny_random``)."""
+    return str(importlib.resources.files("polestar_jax") / "assets" / BUNDLED_MODEL_NAME)
+
+
+def _token_content(value: Any) -> Optional[str]:
+    """A special token from ``tokenizer_config.json``: a string, or a dict with a ``"content"`` key."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PolestarError(f"{path}: cannot read JSON ({type(e).__name__}: {e})".replace("\n", " ")) from None
+
+
+def _raise_exception(message: str) -> None:
+    """``raise_exception`` as seen by chat templates (templates call it to reject a conversation)."""
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[tuple[str, str]] = None, sort_keys: bool = False) -> str:
+    """The ``tojson`` filter of transformers (no HTML escaping, unlike Jinja2's built-in one)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _make_jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The Jinja2 environment transformers renders chat templates in."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+class Tokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer plus what ``tokenizer_config.json`` adds to it.
+
+    Args:
+        hf_tokenizer: the ``tokenizers.Tokenizer`` read from ``tokenizer.json``.
+        tokenizer_config: the parsed ``tokenizer_config.json`` (``{}`` when the folder has none).
+        model_config: the parsed ``config.json`` (``{}`` when absent); a fallback for the ids of the
+            EOS / pad / mask tokens.
+        chat_template: the Jinja2 chat template, or ``None`` when the model has none.
+        source: the model folder, used in error messages.
+    """
+
+    def __init__(self, hf_tokenizer: _HFTokenizer, tokenizer_config: Optional[Mapping[str, Any]] = None,
+                 model_config: Optional[Mapping[str, Any]] = None, chat_template: Optional[str] = None,
+                 source: str = "<memory>") -> None:
+        self._tok = hf_tokenizer
+        self._tok_config: dict[str, Any] = dict(tokenizer_config or {})
+        self._model_config: dict[str, Any] = dict(model_config or {})
+        self._chat_template = chat_template
+        self._compiled: Optional[jinja2.Template] = None
+        self.source = source
+        self.special_tokens: dict[str, str] = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            content = _token_content(self._tok_config.get(key))
+            if content is not None:
+                self.special_tokens[key] = content
+
+    # ------------------------------------------------------------------ vocabulary
+    @property
+    def hf_tokenizer(self) -> _HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added (special) tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        """Id of ``token`` in the vocabulary, or ``None``."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        """Token string of ``token_id``, or ``None``."""
+        return self._tok.id_to_token(int(token_id))
+
+    def _special_id(self, key: str, config_key: Optional[str] = None) -> Optional[int]:
+        """Id of special token ``key`` (e.g. ``"eos_token"``) named by tokenizer_config.json, else the
+        ``config_key`` field of config.json."""
+        token = self.special_tokens.get(key)
+        if token is not None:
+            tid = self._tok.token_to_id(token)
+            if tid is not None:
+                return tid
+        value = self._model_config.get(config_key) if config_key else None
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def bos_token(self) -> Optional[str]:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> Optional[str]:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return self._special_id("bos_token", "bos_token_id")
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        """Id of the end-of-sequence token (tokenizer_config.json ``eos_token``, else config.json)."""
+        return self._special_id("eos_token", "eos_token_id")
+
+    @property
+    def pad_token_id(self) -> Optional[int]:
+        return self._special_id("pad_token", "pad_token_id")
+
+    @property
+    def mask_token_id(self) -> Optional[int]:
+        """Id of the diffusion mask token: tokenizer_config.json ``mask_token``, else ``<|mdm_mask|>`` in
+        the vocabulary, else config.json ``mask_token_id``."""
+        token = self.special_tokens.get("mask_token")
+        if token is not None and self._tok.token_to_id(token) is not None:
+            return self._tok.token_to_id(token)
+        tid = self._tok.token_to_id(_LLADA_MASK_TOKEN)
+        if tid is not None:
+            return tid
+        value = self._model_config.get("mask_token_id")
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+    # ------------------------------------------------------------------ text <-> ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|eot_id|>``) become single ids;
+        ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a BOS), if it has one."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; bytes that are not valid UTF-8 come out as U+FFFD."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat template
+    @property
+    def chat_template(self) -> Optional[str]:
+        return self._chat_template
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._chat_template)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Renders ``messages`` (``[{"role": "user", "content": "..."}, ...]``) with the chat template,
+        as ``transformers`` does with ``tokenize=False``. Extra keyword arguments become template
+        variables. Raises :class:`PolestarError` if there is no template or rendering fails."""
+        if not self._chat_template:
+            raise PolestarError(f"{self.source}: the tokenizer has no chat template")
+        if self._compiled is None:
+            try:
+                self._compiled = _make_jinja_env().from_string(self._chat_template)
+            except jinja2.exceptions.TemplateError as e:
+                raise PolestarError(f"{self.source}: invalid chat template ({e})".replace("\n", " ")) from None
+        variables: dict[str, Any] = dict(self.special_tokens)
+        variables.update(kwargs)
+        variables["messages"] = [dict(m) for m in messages]
+        variables["add_generation_prompt"] = add_generation_prompt
+        try:
+            return self._compiled.render(**variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise PolestarError(f"{self.source}: chat template failed: {e}".replace("\n", " ")) from None
+
+    def chat_prompt_ids(self, user_text: str) -> list[int]:
+        """Prompt ids for a single user turn: the chat template with a generation prompt, encoded without
+        extra special tokens; the raw text encoded when the model has no chat template."""
+        if not self._chat_template:
+            return self.encode(user_text)
+        return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+                f"eos_token_id={self.eos_token_id}, mask_token_id={self.mask_token_id})")
+
+
+def _find_chat_template(model_dir: str, tok_config: Mapping[str, Any]) -> Optional[str]:
+    """The chat template: ``chat_template.jinja`` if present (newer transformers), else the
+    ``chat_template`` of tokenizer_config.json (a string, or a list of ``{"name", "template"}``)."""
+    jinja_path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        try:
+            with open(jinja_path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PolestarError(f"{jinja_path}: cannot read ({e})") from None
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer:
+    """Loads the tokenizer of the HF model folder ``model_dir`` (offline).
+
+    Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` and ``config.json`` (optional).
+    Raises :class:`PolestarError` with a one-line message when the folder or ``tokenizer.json`` is
+    missing or unreadable.
+    """
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise PolestarError(f"model folder not found: {model_dir}")
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise PolestarError(f"no tokenizer.json in model folder {model_dir}")
+    try:
+        hf_tok = _HFTokenizer.from_file(tok_path)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PolestarError(f"{tok_path}: cannot load tokenizer ({msg})") from None
+    cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+    tok_config = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+    if not isinstance(tok_config, dict):
+        raise PolestarError(f"{cfg_path}: expected a JSON object")
+    model_cfg_path = os.path.join(model_dir, "config.json")
+    model_config = _read_json(model_cfg_path) if os.path.isfile(model_cfg_path) else {}
+    if not isinstance(model_config, dict):
+        model_config = {}
+    return Tokenizer(hf_tok, tok_config, model_config, _find_chat_template(model_dir, tok_config),
+                     source=model_dir)
