@@ -170,6 +170,9 @@ class DecodeConfig:
     factor: Optional[float] = None
     temperature: float = 0.0
     remasking: str = "low_confidence"
+    # Fast-dLLM (prefix/dual cache) runs its step loop at least once after the block's full forward, even
+    # when that forward filled the block; Polestar's port of the same loop checks for masks first.
+    step_after_full_pass: bool = True
 
     def __post_init__(self):
         if self.steps is None:

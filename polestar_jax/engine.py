@@ -27,6 +27,7 @@ class GenerateResult:
     tokens       [b, G] int   generated tokens (the block region, after the prompt).
     commit_step  [b, G] int   which forward of the row committed each token.
     nfe          [b]    int   forwards per row.
+    block_nfe    [b, n_blocks] int  forwards per row and block.
     seconds      float        wall time of the decode loop (dispatch to last result), compile excluded
                               when ``warmup`` ran; ``compile_seconds`` the time of the first (compiling) call.
     """
@@ -34,6 +35,7 @@ class GenerateResult:
     tokens: np.ndarray
     commit_step: np.ndarray
     nfe: np.ndarray
+    block_nfe: np.ndarray
     seconds: float
     compile_seconds: float = 0.0
 
@@ -90,11 +92,11 @@ def generate(
     spec = EngineSpec.from_config(mcfg, dcfg)
     knobs = Knobs.from_config(dcfg)
     dtype = jax.tree.leaves(params)[0].dtype
-    state = init_state(prompts, mcfg, dcfg.gen_length, slot, seeds, cache=dcfg.cache != "none", dtype=dtype)
+    state = init_state(prompts, mcfg, dcfg.gen_length, slot, dcfg.num_blocks, seeds, cache=dcfg.cache != "none", dtype=dtype)
     t0 = time.perf_counter()
     for blk in range(dcfg.num_blocks):
         state = decode_block_jit(params, state, jnp.int32(blk), knobs, spec)
-    x, cstep, nfe = jax.device_get((state.x, state.commit_step, state.nfe))
+    x, cstep, nfe, bnfe = jax.device_get((state.x, state.commit_step, state.nfe, state.block_nfe))
     seconds = time.perf_counter() - t0
     return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
-                          nfe=np.asarray(nfe), seconds=seconds)
+                          nfe=np.asarray(nfe), block_nfe=np.asarray(bnfe), seconds=seconds)

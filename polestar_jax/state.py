@@ -26,6 +26,7 @@ class DecodeState:
     pos          [b, L] int32   RoPE position of each slot (index minus the row's padding).
     key_valid    [b, L] bool    False on left padding.
     rng          [b, 2] uint32  one PRNG key per row (sampling noise; folded with the row's forward count).
+    block_nfe    [b, n_blocks] int32  forwards spent on each block.
     k_cache, v_cache  [N, b, KV, L, hd] or None: un-rotated K/V of the last full pass / step.
     """
 
@@ -35,6 +36,7 @@ class DecodeState:
     pos: jax.Array
     key_valid: jax.Array
     rng: jax.Array
+    block_nfe: jax.Array
     k_cache: Optional[jax.Array] = None
     v_cache: Optional[jax.Array] = None
 
@@ -50,6 +52,7 @@ def init_state(
     cfg: ModelConfig,
     gen_length: int,
     prompt_slot: int,
+    num_blocks: int,
     seeds: Sequence[int],
     cache: bool,
     dtype=jnp.float32,
@@ -75,5 +78,6 @@ def init_state(
     return DecodeState(
         x=jnp.asarray(x), commit_step=jnp.full((b, length), -1, jnp.int32), nfe=jnp.zeros((b,), jnp.int32),
         pos=jnp.asarray(pos), key_valid=jnp.asarray(key_valid), rng=jnp.asarray(rng),
+        block_nfe=jnp.zeros((b, num_blocks), jnp.int32),
         k_cache=k_cache, v_cache=v_cache,
     )

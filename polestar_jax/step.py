@@ -43,13 +43,15 @@ class EngineSpec:
     steps_per_block: int
     stochastic: bool  # temperature > 0
     random_remask: bool
+    step_after_full_pass: bool = True
 
     @classmethod
     def from_config(cls, mcfg: ModelConfig, dcfg: DecodeConfig) -> "EngineSpec":
         return cls(model=mcfg, decoder=dcfg.decoder, cache=dcfg.cache, rule=dcfg.rule,
                    gen_length=dcfg.gen_length, block_length=dcfg.block_length,
                    steps_per_block=dcfg.steps_per_block, stochastic=dcfg.temperature > 0,
-                   random_remask=dcfg.remasking == "random")
+                   random_remask=dcfg.remasking == "random",
+                   step_after_full_pass=dcfg.step_after_full_pass)
 
 
 class Knobs(NamedTuple):
@@ -137,6 +139,7 @@ def decode_block(params, state: DecodeState, block_idx, knobs: Knobs, spec: Engi
     has_mask = lambda s: jnp.any(_blk(s.x, cs, B) == cfg.mask_token_id, axis=1)
     n_masked0 = jnp.sum(_blk(state.x, cs, B) == cfg.mask_token_id, axis=1).astype(jnp.int32)
     b = state.x.shape[0]
+    nfe_before = state.nfe
     i0 = 0
     if spec.cache != "none":
         logits, state = full_forward(params, state, spec, cs, keep_cache=True)
@@ -164,8 +167,10 @@ def decode_block(params, state: DecodeState, block_idx, knobs: Knobs, spec: Engi
         s, _ = apply_commits(s, spec, knobs, logits, cs, n_masked0, i, active)
         return s, i + 1, jnp.bool_(False)
 
-    state, _, _ = lax.while_loop(cond, body, (state, jnp.int32(i0), jnp.bool_(True)))
-    return state
+    force = spec.step_after_full_pass or spec.cache == "none"
+    state, _, _ = lax.while_loop(cond, body, (state, jnp.int32(i0), jnp.bool_(force)))
+    block_nfe = state.block_nfe.at[:, block_idx].set(state.nfe - nfe_before)
+    return state.replace(block_nfe=block_nfe)
 
 
 decode_block_jit = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",))

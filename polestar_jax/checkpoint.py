@@ -1,0 +1,557 @@
+"""Checkpoint IO: Hugging Face LLaDA safetensors <-> our params pytree <-> orbax.
+
+The params pytree (a plain nested dict; layer weights stacked over layers on axis 0; linear weights stored
+``[in, out]``, the transpose of HF/PyTorch's ``[out, in]``)::
+
+    params = {
+      "wte":     [V, D],               # model.transformer.wte.weight
+      "blocks": {
+        "attn_norm": [N, D],           # model.transformer.blocks.{i}.attn_norm.weight
+        "wq":        [N, D, H*hd],     # blocks.{i}.q_proj.weight   (HF [H*hd, D], transposed)
+        "wk":        [N, D, KV*hd],    # blocks.{i}.k_proj.weight
+        "wv":        [N, D, KV*hd],    # blocks.{i}.v_proj.weight
+        "wo":        [N, H*hd, D],     # blocks.{i}.attn_out.weight
+        "ff_norm":   [N, D],           # blocks.{i}.ff_norm.weight
+        "w_gate":    [N, D, F],        # blocks.{i}.ff_proj.weight  (the SiLU branch)
+        "w_up":      [N, D, F],        # blocks.{i}.up_proj.weight
+        "w_down":    [N, F, D],        # blocks.{i}.ff_out.weight
+      },
+      "ln_f":    [D],                  # model.transformer.ln_f.weight
+      "lm_head": [D, V],               # model.transformer.ff_out.weight (HF [V, D], transposed)
+    }
+
+with ``V = embedding_size``, ``D = d_model``, ``N = n_layers``, ``H = n_heads``, ``KV = n_kv_heads``,
+``hd = D // H``, ``F = mlp_hidden_size``.
+
+Two on-disk formats are read by :func:`load_model`:
+
+* an HF folder: ``config.json`` + ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``);
+* a converted folder written by :func:`save_converted`: ``config.json`` (with ``"polestar_format": "orbax"``)
+  + an orbax checkpoint of the params pytree in ``params/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from polestar_jax.config import ModelConfig
+from polestar_jax.errors import CheckpointError, ConfigError
+from polestar_jax.safetensors_io import read_safetensors, read_safetensors_header, write_safetensors
+
+__all__ = [
+    "Params", "HF_PREFIX", "CONFIG_FILE", "SAFETENSORS_FILE", "INDEX_FILE", "PARAMS_SUBDIR", "FORMAT_KEY",
+    "resolve_dtype", "param_shapes", "hf_shapes", "validate_params", "count_params", "params_dtype",
+    "hf_to_params", "params_to_hf", "read_hf_folder", "is_hf_folder", "is_converted_folder",
+    "load_model", "save_converted", "export_hf", "copy_aux_files", "require_folder",
+]
+
+Params = dict[str, Any]
+DTypeLike = Union[None, str, np.dtype, type]
+
+HF_PREFIX = "model.transformer."
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PARAMS_SUBDIR = "params"
+FORMAT_KEY = "polestar_format"  # config.json marker of a folder written by save_converted
+FORMAT_VALUE = "orbax"
+
+# Per-layer tensors: params["blocks"][key][i] <-> HF "blocks.{i}.{hf_name}.weight"; transposed if linear.
+_BLOCK_TENSORS: tuple[tuple[str, str, bool], ...] = (
+    ("attn_norm", "attn_norm", False),
+    ("wq", "q_proj", True),
+    ("wk", "k_proj", True),
+    ("wv", "v_proj", True),
+    ("wo", "attn_out", True),
+    ("ff_norm", "ff_norm", False),
+    ("w_gate", "ff_proj", True),
+    ("w_up", "up_proj", True),
+    ("w_down", "ff_out", True),
+)
+# Top-level tensors: params[key] <-> HF "{hf_name}.weight"; transposed if linear.
+_TOP_TENSORS: tuple[tuple[str, str, bool], ...] = (
+    ("wte", "wte", False),
+    ("ln_f", "ln_f", False),
+    ("lm_head", "ff_out", True),
+)
+
+_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "f16": "float16", "half": "float16", "float": "float32"}
+
+
+# ----------------------------------------------------------------------------------------------- shapes
+
+def resolve_dtype(dtype: DTypeLike) -> Optional[np.dtype]:
+    """``None`` or a floating dtype (``"float32"``, ``"bfloat16"``, ``"float16"``, ``jnp.bfloat16``, ...)
+    as a numpy dtype; anything else raises :class:`ConfigError`."""
+    if dtype is None:
+        return None
+    name = dtype
+    if isinstance(dtype, str):
+        name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+        if name == "bfloat16":
+            return np.dtype(ml_dtypes.bfloat16)
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        raise ConfigError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ConfigError(f"dtype {dtype!r} is not a floating-point type (use float32, bfloat16 or float16)")
+    return dt
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The params pytree of ``cfg`` with a shape tuple at each leaf (see the module docstring)."""
+    d, n, f, v = cfg.d_model, cfg.n_layers, cfg.mlp_hidden_size, cfg.embedding_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {
+        "wte": (v, d),
+        "blocks": {
+            "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv), "wo": (n, q, d),
+            "ff_norm": (n, d), "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
+        },
+        "ln_f": (d,),
+        "lm_head": (d, v),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _HFEntry:
+    """Where one HF tensor goes: ``params[key]`` (top level) or ``params["blocks"][key][layer]``."""
+
+    key: str
+    layer: Optional[int]
+    transpose: bool
+    shape: tuple[int, ...]  # the HF shape
+
+
+def _hf_entries(cfg: ModelConfig) -> dict[str, _HFEntry]:
+    """HF tensor name (with the ``model.transformer.`` prefix) -> :class:`_HFEntry`, in HF order."""
+    shapes = param_shapes(cfg)
+    out: dict[str, _HFEntry] = {}
+
+    def hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
+        return tuple(reversed(shape)) if transpose else tuple(shape)
+
+    out[HF_PREFIX + "wte.weight"] = _HFEntry("wte", None, False, shapes["wte"])
+    for i in range(cfg.n_layers):
+        for key, hf_name, transpose in _BLOCK_TENSORS:
+            out[f"{HF_PREFIX}blocks.{i}.{hf_name}.weight"] = _HFEntry(
+                key, i, transpose, hf_shape(shapes["blocks"][key][1:], transpose))
+    for key, hf_name, transpose in _TOP_TENSORS[1:]:
+        out[f"{HF_PREFIX}{hf_name}.weight"] = _HFEntry(key, None, transpose, hf_shape(shapes[key], transpose))
+    return out
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> HF shape (``[out, in]`` for linear layers) for every tensor of ``cfg``."""
+    return {name: e.shape for name, e in _hf_entries(cfg).items()}
+
+
+def _iter_leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            yield from _iter_leaves(v, f"{prefix}{k}/")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def validate_params(params: Mapping[str, Any], cfg: ModelConfig, source: str = "params") -> None:
+    """Checks that ``params`` has exactly the keys and shapes of ``cfg`` (floating dtypes); raises
+    :class:`CheckpointError` naming the first offending entry (e.g. ``blocks/wq``)."""
+    want = dict(_iter_leaves(param_shapes(cfg)))
+    if not isinstance(params, Mapping):
+        raise CheckpointError(f"{source}: expected a dict of arrays, got {type(params).__name__}")
+    have = dict(_iter_leaves(params))
+    missing = [k for k in want if k not in have]
+    if missing:
+        raise CheckpointError(f"{source}: missing parameter {missing[0]}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = [k for k in have if k not in want]
+    if extra:
+        raise CheckpointError(f"{source}: unexpected parameter {extra[0]}"
+                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for k, shape in want.items():
+        leaf = have[k]
+        if tuple(np.shape(leaf)) != shape:
+            raise CheckpointError(f"{source}: parameter {k} has shape {tuple(np.shape(leaf))}, "
+                                  f"config expects {shape}")
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise CheckpointError(f"{source}: parameter {k} has non-floating dtype {leaf.dtype}")
+
+
+def count_params(params: Mapping[str, Any]) -> int:
+    """Total number of scalars in ``params``."""
+    return int(sum(int(np.prod(np.shape(x))) for _, x in _iter_leaves(params)))
+
+
+def params_dtype(params: Mapping[str, Any]) -> str:
+    """The dtype name shared by all leaves (e.g. ``"bfloat16"``), or ``"mixed"``."""
+    names = {np.dtype(x.dtype).name for _, x in _iter_leaves(params)}
+    return names.pop() if len(names) == 1 else "mixed"
+
+
+# -------------------------------------------------------------------------------------- HF <-> params
+
+def _canonical_names(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """Canonical HF name (``model.transformer.*``) -> name used in ``tensors`` (which may omit ``model.``)."""
+    out: dict[str, str] = {}
+    for name in tensors:
+        canon = name if name.startswith("model.") else "model." + name
+        if canon in out:
+            raise CheckpointError(f"tensor {canon} appears twice (as {out[canon]!r} and {name!r})")
+        out[canon] = name
+    return out
+
+
+def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: DTypeLike = None) -> Params:
+    """Maps HF LLaDA tensors to the params pytree (numpy arrays).
+
+    Args:
+        tensors: ``{name: array}`` with HF names ``model.transformer.*`` (``transformer.*`` also accepted)
+            and HF shapes (linear weights ``[out, in]``); e.g. the output of :func:`read_hf_folder`.
+        cfg: the model config the tensors must match.
+        dtype: cast floating weights to this dtype (``None`` keeps the checkpoint's dtype).
+
+    Returns:
+        The params pytree (module docstring) of fresh, C-contiguous numpy arrays: layer weights stacked on
+        axis 0, linear weights transposed to ``[in, out]``.
+
+    Raises:
+        CheckpointError: a missing, unexpected, mis-shaped or non-floating tensor (the message names it).
+    """
+    want = resolve_dtype(dtype)
+    entries = _hf_entries(cfg)
+    names = _canonical_names(tensors)
+    extra = sorted(n for n in names if n not in entries)
+    if extra:
+        raise CheckpointError(f"unexpected tensor {names[extra[0]]} in checkpoint (not part of a LLaDA model "
+                              f"with {cfg.n_layers} layers)"
+                              + (f"; {len(extra) - 1} more unexpected" if len(extra) > 1 else ""))
+    missing = [n for n in entries if n not in names]
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]} in checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, e in entries.items():
+        arr = tensors[names[name]]
+        if tuple(arr.shape) != e.shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)}, config expects {e.shape}")
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise CheckpointError(f"tensor {name} has non-floating dtype {arr.dtype}")
+
+    shapes = param_shapes(cfg)
+    layer_dtype: dict[str, np.dtype] = {}
+    for name, e in entries.items():
+        if e.layer is not None:
+            dt = np.dtype(tensors[names[name]].dtype)
+            layer_dtype[e.key] = dt if e.key not in layer_dtype else np.promote_types(layer_dtype[e.key], dt)
+    params: Params = {"blocks": {key: np.empty(shapes["blocks"][key], want or layer_dtype[key])
+                                 for key, _, _ in _BLOCK_TENSORS}}
+    for name, e in entries.items():
+        arr = np.asarray(tensors[names[name]])
+        if e.transpose:
+            arr = arr.T
+        if e.layer is None:
+            params[e.key] = np.array(arr, dtype=want or arr.dtype, order="C")  # a copy, even of a memmap
+        else:
+            params["blocks"][e.key][e.layer] = arr  # casts (round-to-nearest-even) when dtype is given
+    return {"wte": params["wte"], "blocks": params["blocks"], "ln_f": params["ln_f"], "lm_head": params["lm_head"]}
+
+
+def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of :func:`hf_to_params`: ``{"model.transformer.*": array}`` with HF shapes (``[out, in]``),
+    C-contiguous numpy arrays in the params' dtype (bit-exact)."""
+    validate_params(params, cfg)
+    out: dict[str, np.ndarray] = {}
+    host = {k: np.asarray(v) for k, v in _iter_leaves(params)}  # one device->host copy per leaf
+    for name, e in _hf_entries(cfg).items():
+        arr = host[e.key] if e.layer is None else host["blocks/" + e.key][e.layer]
+        out[name] = np.ascontiguousarray(arr.T if e.transpose else arr)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def require_folder(path: Union[str, os.PathLike]) -> str:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        if os.path.exists(path):
+            raise CheckpointError(f"model path is not a folder: {path}")
+        raise CheckpointError(f"model folder not found: {path}")
+    return path
+
+
+def is_hf_folder(path: Union[str, os.PathLike]) -> bool:
+    """True if ``path`` holds ``model.safetensors`` or ``model.safetensors.index.json``."""
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, SAFETENSORS_FILE)) or os.path.isfile(os.path.join(path, INDEX_FILE))
+
+
+def _read_config_dict(path: str) -> dict:
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        return {}
+    try:
+        with open(cfg_path) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # ModelConfig.from_json reports it properly
+    return d if isinstance(d, dict) else {}
+
+
+def is_converted_folder(path: Union[str, os.PathLike]) -> bool:
+    """True if ``path`` was written by :func:`save_converted` (config marker or a ``params/`` folder)."""
+    path = os.fspath(path)
+    return (_read_config_dict(path).get(FORMAT_KEY) == FORMAT_VALUE
+            or os.path.isdir(os.path.join(path, PARAMS_SUBDIR)))
+
+
+def read_hf_folder(path: Union[str, os.PathLike], *, mmap: bool = True) -> dict[str, np.ndarray]:
+    """Reads the tensors of an HF folder: ``model.safetensors``, or the shards listed in
+    ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``).
+
+    With an index, the index is authoritative: exactly the listed tensors are returned, each from its
+    shard; a listed shard file that is missing, or a listed tensor absent from its shard, raises
+    :class:`CheckpointError`. Arrays are memory-mapped (read-only) unless ``mmap=False``.
+    """
+    path = require_folder(path)
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                index = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{index_path}: invalid JSON ({str(e).splitlines()[0]})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
+                raise CheckpointError(f"{index_path}: tensor {name}: invalid shard file name {shard!r}")
+            by_shard.setdefault(shard, []).append(name)
+        tensors: dict[str, np.ndarray] = {}
+        for shard, names in by_shard.items():
+            shard_path = os.path.join(path, shard)
+            if not os.path.isfile(shard_path):
+                raise CheckpointError(f"{index_path}: shard file {shard} (holding tensor {names[0]}) not found")
+            entries, _ = read_safetensors_header(shard_path)
+            absent = [n for n in names if n not in entries]
+            if absent:
+                raise CheckpointError(f"{shard_path}: tensor {absent[0]} listed in {INDEX_FILE} is missing "
+                                      "from this shard")
+            tensors.update(read_safetensors(shard_path, mmap=mmap, names=names))
+        return tensors
+    single = os.path.join(path, SAFETENSORS_FILE)
+    if os.path.isfile(single):
+        return read_safetensors(single, mmap=mmap)
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        raise CheckpointError(f"{path}: only safetensors checkpoints are supported (found pytorch_model.bin); "
+                              "re-save the model with safe_serialization=True")
+    raise CheckpointError(f"{path}: no {SAFETENSORS_FILE} or {INDEX_FILE} in the folder "
+                          f"(and no {PARAMS_SUBDIR}/ of a converted checkpoint)")
+
+
+def _orbax():
+    import orbax.checkpoint as ocp  # imported lazily: slow to import and only needed for converted folders
+
+    return ocp
+
+
+def _read_orbax_params(params_dir: str, cfg: ModelConfig) -> Params:
+    """Restores the params saved by :func:`save_converted` as jax arrays on the default device."""
+    ocp = _orbax()
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"converted checkpoint folder not found: {params_dir}")
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        try:
+            meta = ckptr.metadata(params_dir)
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for a corrupt folder
+            raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        if not isinstance(tree, Mapping):
+            raise CheckpointError(f"{params_dir}: orbax checkpoint does not hold a params dict")
+        validate_params(tree, cfg, source=params_dir)
+        device = jax.devices()[0]
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
+                                           sharding=jax.sharding.SingleDeviceSharding(device)),
+            dict(tree), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+        try:
+            return ckptr.restore(params_dir, target)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{params_dir}: cannot restore orbax checkpoint "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    finally:
+        ckptr.close()
+
+
+def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None) -> tuple[ModelConfig, Params]:
+    """Loads a model folder: an HF folder (``config.json`` + ``model.safetensors`` or a sharded index) or a
+    folder written by :func:`save_converted` (``config.json`` + orbax ``params/``).
+
+    Args:
+        path: the folder.
+        dtype: ``None`` (keep the stored dtype), ``"float32"``, ``"bfloat16"``, ``"float16"`` or a
+            jnp/numpy dtype: every parameter is cast to it.
+
+    Returns:
+        ``(cfg, params)`` with params a pytree of jax arrays on the default device (module docstring).
+
+    Raises:
+        CheckpointError: missing folder/files, corrupt or mismatched checkpoint.
+        ConfigError: missing/invalid ``config.json`` or an unsupported architecture.
+    """
+    path = require_folder(path)
+    want = resolve_dtype(dtype)
+    cfg = ModelConfig.from_json(os.path.join(path, CONFIG_FILE))
+    if is_converted_folder(path):
+        params = _read_orbax_params(os.path.abspath(os.path.join(path, PARAMS_SUBDIR)), cfg)
+        if want is not None:
+            params = jax.tree.map(lambda x: x.astype(want), params)
+        return cfg, params
+    params = hf_to_params(read_hf_folder(path), cfg, dtype=want)
+    return cfg, jax.tree.map(jnp.asarray, params)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def _config_json(cfg: ModelConfig, params: Mapping[str, Any], extra_config: Optional[Mapping[str, Any]],
+                 **fields: Any) -> dict:
+    """``extra_config`` (e.g. the source ``config.json``) overridden by ``cfg.to_hf_dict()`` and ``fields``,
+    with ``torch_dtype`` set to the params' dtype."""
+    d = {k: v for k, v in (extra_config or {}).items() if k != FORMAT_KEY}
+    d.update(cfg.to_hf_dict())
+    d["torch_dtype"] = params_dtype(params)
+    d.update(fields)
+    return d
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def _make_dir(out_dir: Union[str, os.PathLike]) -> str:
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"output path exists and is not a folder: {out_dir}")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create output folder {out_dir} ({e.strerror or e})") from None
+    return out_dir
+
+
+def save_converted(out_dir: Union[str, os.PathLike], cfg: ModelConfig, params: Mapping[str, Any], *,
+                   extra_config: Optional[Mapping[str, Any]] = None) -> str:
+    """Writes a converted folder: an orbax checkpoint of ``params`` in ``out_dir/params/`` and
+    ``out_dir/config.json`` (``cfg.to_hf_dict()`` + ``torch_dtype`` + ``"polestar_format": "orbax"``; extra
+    fields of ``extra_config``, e.g. the source HF config, are kept under ours).
+
+    Overwriting: ``out_dir`` may exist; its ``params/`` and ``config.json`` are replaced (params are
+    written first, the config last, so a failed save never looks like a valid checkpoint); other files in
+    it are left alone. Returns when everything is on disk. Returns the absolute ``out_dir``.
+    """
+    validate_params(params, cfg)
+    out_dir = _make_dir(out_dir)
+    config_path = os.path.join(out_dir, CONFIG_FILE)
+    if os.path.exists(config_path):
+        os.remove(config_path)
+    ocp = _orbax()
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        ckptr.save(os.path.join(out_dir, PARAMS_SUBDIR), dict(params), force=True)
+        ckptr.wait_until_finished()
+    finally:
+        ckptr.close()
+    _write_json(config_path, _config_json(cfg, params, extra_config, **{FORMAT_KEY: FORMAT_VALUE}))
+    return out_dir
+
+
+def _shard_names(names: list[str], sizes: dict[str, int], max_shard_bytes: Optional[int]) -> list[list[str]]:
+    """Splits ``names`` (in order) greedily into shards of at most ``max_shard_bytes`` (a tensor larger than
+    the limit gets a shard of its own)."""
+    if max_shard_bytes is None:
+        return [names]
+    shards: list[list[str]] = [[]]
+    used = 0
+    for n in names:
+        if shards[-1] and used + sizes[n] > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(n)
+        used += sizes[n]
+    return shards
+
+
+def export_hf(out_dir: Union[str, os.PathLike], cfg: ModelConfig, params: Mapping[str, Any],
+              max_shard_bytes: Optional[int] = None, *, extra_config: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Writes an HF folder: ``config.json`` + ``model.safetensors``, or, when ``max_shard_bytes`` is given and
+    the tensors do not fit in one file, shards ``model-0000i-of-0000n.safetensors`` +
+    ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {...}}``).
+
+    Tensors are written in the params' dtype with HF names/shapes (:func:`params_to_hf`); the safetensors
+    metadata is ``{"format": "pt"}`` as transformers expects. Any ``model*.safetensors`` and index left in
+    ``out_dir`` from an earlier export are removed first. Returns the written safetensors file names.
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ConfigError(f"max shard size must be positive, got {max_shard_bytes}")
+    tensors = params_to_hf(params, cfg)
+    out_dir = _make_dir(out_dir)
+    for f in os.listdir(out_dir):
+        if f == INDEX_FILE or (f.startswith("model") and f.endswith(".safetensors")):
+            os.remove(os.path.join(out_dir, f))
+    names = list(tensors)
+    sizes = {n: tensors[n].nbytes for n in names}
+    shards = _shard_names(names, sizes, max_shard_bytes)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        files = [SAFETENSORS_FILE]
+        write_safetensors(os.path.join(out_dir, SAFETENSORS_FILE), tensors, metadata=meta)
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map: dict[str, str] = {}
+        for fname, shard in zip(files, shards):
+            write_safetensors(os.path.join(out_dir, fname), {n: tensors[n] for n in shard}, metadata=meta)
+            weight_map.update({n: fname for n in shard})
+        _write_json(os.path.join(out_dir, INDEX_FILE),
+                    {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
+    _write_json(os.path.join(out_dir, CONFIG_FILE), _config_json(cfg, params, extra_config))
+    return files
+
+
+def copy_aux_files(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os.PathLike],
+                   names: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                              "generation_config.json", "tokenizer.model",
+                                              "configuration_llada.py", "modeling_llada.py")) -> list[str]:
+    """Copies the tokenizer / generation / remote-code files among ``names`` that exist in ``src_dir`` to
+    ``dst_dir``; returns the copied names."""
+    copied = []
+    for name in names:
+        src = os.path.join(os.fspath(src_dir), name)
+        if os.path.isfile(src):
+            try:
+                shutil.copyfile(src, os.path.join(os.fspath(dst_dir), name))
+            except OSError as e:
+                raise CheckpointError(f"cannot copy {src} ({e.strerror or e})") from None
+            copied.append(name)
+    return copied
+

@@ -1,0 +1,304 @@
+"""Replays reference data produced by the PyTorch code and reports where JAX agrees.
+
+``python -m polestar_jax.crosscheck DIR [DIR ...]`` accepts two folder formats:
+
+* **LLaDA / Fast-dLLM format**: ``config.json`` + ``model.safetensors`` + ``cases.json`` with
+  ``logits_cases`` (logits, optionally per-layer hidden states, compared within ``1e-4 + 1e-4*|ref|``)
+  and ``generate_cases`` (output ids, NFE and commits per forward must match exactly; a failure names
+  the first forward whose commits differ).
+* **Polestar format**: ``config.json`` + ``model.safetensors`` + run files
+  ``*_<method>_g<gen>_b<block>_s<steps>.json`` (``cases``: prompt, output ids, NFE, ``block_stats``).
+  Methods ``plain_steps``, ``plain_thr<t>`` and ``dual_cache_nocluster`` replay without injection;
+  ``polestar`` runs need the Polestar decoder and are reported as skipped until it exists.
+
+The last line is ``N passed, M failed[, K skipped]``; the exit status is 1 when anything failed and 2 for
+bad input (missing folder, unreadable files).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import sys
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from polestar_jax.errors import PolestarError
+
+LOGITS_ATOL = 1e-4
+LOGITS_RTOL = 1e-4
+
+
+@dataclasses.dataclass
+class CaseResult:
+    name: str
+    status: str  # "pass" | "fail" | "skip"
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _budget_used(out: np.ndarray, ref: np.ndarray) -> float:
+    """Largest |out - ref| as a fraction of the tolerance ``1e-4 + 1e-4*|ref|`` (<= 1 passes)."""
+    return float(np.max(np.abs(out - ref) / (LOGITS_ATOL + LOGITS_RTOL * np.abs(ref))))
+
+
+def first_divergence(ours: list[list[tuple[int, int]]], ref: list[list[tuple[int, int]]]) -> Optional[str]:
+    """Describes the first forward whose set of (position, token) commits differs, or None."""
+    for f in range(max(len(ours), len(ref))):
+        a = sorted(map(tuple, ours[f])) if f < len(ours) else None
+        b = sorted(map(tuple, ref[f])) if f < len(ref) else None
+        if a != b:
+            return f"first diverging forward {f}: ours {a} vs reference {b}"
+    return None
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PolestarError(f"{path}: cannot read JSON ({e})") from None
+
+
+# ------------------------------------------------------------------------------ LLaDA / Fast-dLLM format
+FUNCTION_TO_DECODER = {
+    "llada.generate": ("llada", "none"),
+    "fastdllm.generate": ("fastdllm", "none"),
+    "fastdllm.generate_with_prefix_cache": ("fastdllm", "prefix"),
+    "fastdllm.generate_with_dual_cache": ("fastdllm", "dual"),
+}
+
+
+def decode_config_for_case(case: dict):
+    """The :class:`DecodeConfig` that reproduces one ``generate_cases`` entry (raises on unknown ones)."""
+    from polestar_jax.config import DecodeConfig
+
+    fn = case.get("function")
+    if fn not in FUNCTION_TO_DECODER:
+        raise PolestarError(f"unknown function {fn!r}")
+    s = case["settings"]
+    decoder, cache = FUNCTION_TO_DECODER[fn]
+    if s.get("remasking", "low_confidence") != "low_confidence":
+        raise PolestarError(f"remasking {s.get('remasking')!r} draws torch random numbers; cannot replay")
+    if float(s.get("temperature", 0.0)) != 0.0:
+        raise PolestarError("temperature > 0 draws torch random numbers; cannot replay")
+    if float(s.get("cfg_scale", 0.0) or 0.0) != 0.0 or s.get("logits_eos_inf") or s.get("confidence_eos_eot_inf"):
+        raise PolestarError("cfg_scale / logits_eos_inf / confidence_eos_eot_inf are not supported")
+    return DecodeConfig(decoder=decoder, cache=cache, gen_length=int(s["gen_length"]),
+                        block_length=int(s["block_length"]), steps=int(s["steps"]),
+                        threshold=s.get("threshold"), factor=s.get("factor"))
+
+
+def _check_generation(name, result, row, prompt_len, want_generated, want_nfe, want_trajectory=None,
+                      want_cpf=None, want_block_nfe=None) -> CaseResult:
+    got = result.tokens[row].tolist()
+    ours_traj = [[(prompt_len + p, t) for p, t in step] for step in result.trajectory(row)]
+    problems = []
+    if got != list(want_generated):
+        diff = next(i for i, (a, b) in enumerate(zip(got, want_generated)) if a != b)
+        problems.append(f"output differs first at generated position {diff}")
+    if int(result.nfe[row]) != int(want_nfe):
+        problems.append(f"nfe {int(result.nfe[row])} vs reference {want_nfe}")
+    if want_cpf is not None and result.commits_per_forward(row) != list(want_cpf):
+        problems.append("commits per forward differ")
+    if want_block_nfe is not None and result.block_nfe[row].tolist() != list(want_block_nfe):
+        problems.append(f"block nfe {result.block_nfe[row].tolist()} vs reference {list(want_block_nfe)}")
+    if problems and want_trajectory is not None:
+        where = first_divergence(ours_traj, want_trajectory)
+        if where:
+            problems.append(where)
+    return CaseResult(name, "fail" if problems else "pass", "; ".join(problems))
+
+
+def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
+                        progress: Callable[[CaseResult], None] = lambda r: None) -> list[CaseResult]:
+    """Replays every logits case and generate case of a ``cases.json`` folder."""
+    import jax.numpy as jnp
+
+    from polestar_jax import model
+    from polestar_jax.engine import generate
+
+    data = _read_json(os.path.join(folder, "cases.json"))
+    results: list[CaseResult] = []
+
+    def add(r: CaseResult):
+        results.append(r)
+        progress(r)
+
+    for case in data.get("logits_cases", []):
+        name = f"logits/{case['name']}"
+        try:
+            ref = np.load(os.path.join(folder, case["file"]))
+            ids = jnp.asarray(np.asarray(case["input_ids"], np.int32))
+            out = np.asarray(model.logits_full(params, ids, cfg))
+            used = _budget_used(out, ref)
+            detail = f"max error {used:.0%} of tolerance"
+            ok = used <= 1.0
+            if case.get("hidden_states_file"):
+                href = np.load(os.path.join(folder, case["hidden_states_file"]))
+                hs = np.asarray(model.hidden_states(params, ids, cfg))
+                hused = _budget_used(hs, href)
+                detail += f"; hidden states {hused:.0%}"
+                ok = ok and hused <= 1.0
+            add(CaseResult(name, "pass" if ok else "fail", detail))
+        except (OSError, KeyError, ValueError) as e:
+            add(CaseResult(name, "fail", f"cannot replay: {e}"))
+
+    gen_cases = data.get("generate_cases", [])
+    slot = None
+    if gen_cases:
+        longest = max(len(c["prompt_ids"]) for c in gen_cases)
+        slot = -(-longest // pad_multiple) * pad_multiple
+    for case in gen_cases:
+        name = case.get("name", "?")
+        try:
+            dcfg = decode_config_for_case(case)
+        except PolestarError as e:
+            add(CaseResult(name, "skip", str(e)))
+            continue
+        prompt = case["prompt_ids"]
+        if len(prompt) + dcfg.gen_length > cfg.max_sequence_length:
+            add(CaseResult(name, "skip", "longer than max_sequence_length"))
+            continue
+        res = generate(params, cfg, [prompt], dcfg, prompt_slot=max(slot, len(prompt)))
+        add(_check_generation(name, res, 0, len(prompt), case["generated_ids"], case["nfe"],
+                              case.get("trajectory"), case.get("margins", {}).get("commits_per_forward")))
+    return results
+
+
+# ------------------------------------------------------------------------------------- Polestar format
+RUN_FILE = re.compile(r"^(?P<prefix>.*?)_?(?P<method>polestar|dual_cache_nocluster|plain_thr[0-9.]+|plain_steps)"
+                      r"_g(?P<gen>\d+)_b(?P<block>\d+)_s(?P<steps>\d+)\.json$")
+
+
+def polestar_run_files(folder: str) -> list[tuple[str, re.Match]]:
+    """Run files of a Polestar-format folder, with their parsed names."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        m = RUN_FILE.match(os.path.basename(path))
+        if m:
+            out.append((path, m))
+    return out
+
+
+def decode_config_for_method(method: str, gen: int, block: int, steps: int):
+    """DecodeConfig of a Polestar-repo baseline method (None for ``polestar``)."""
+    from polestar_jax.config import DecodeConfig
+
+    if method == "plain_steps":
+        return DecodeConfig(decoder="fastdllm", cache="none", gen_length=gen, block_length=block, steps=steps,
+                            threshold=None)
+    if method.startswith("plain_thr"):
+        return DecodeConfig(decoder="fastdllm", cache="none", gen_length=gen, block_length=block, steps=steps,
+                            threshold=float(method[len("plain_thr"):]))
+    if method == "dual_cache_nocluster":
+        return DecodeConfig(decoder="fastdllm", cache="dual", gen_length=gen, block_length=block, steps=steps,
+                            threshold=0.9, step_after_full_pass=False)
+    return None
+
+
+def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
+                           progress: Callable[[CaseResult], None] = lambda r: None) -> list[CaseResult]:
+    """Replays the run files of a Polestar-format folder (see the module docstring)."""
+    from polestar_jax.engine import generate
+
+    results: list[CaseResult] = []
+    for path, m in polestar_run_files(folder):
+        stem = os.path.basename(path)[:-5]
+        data = _read_json(path)
+        cases = data["cases"] if isinstance(data, dict) else data
+        gen, block, steps = int(m["gen"]), int(m["block"]), int(m["steps"])
+        dcfg = decode_config_for_method(m["method"], gen, block, steps)
+        for i, case in enumerate(cases):
+            name = f"{stem}/case{i}"
+            if dcfg is None:
+                r = CaseResult(name, "skip", "the polestar decoder is not implemented yet")
+            else:
+                prompt = case["prompt_ids"]
+                slot = -(-len(prompt) // pad_multiple) * pad_multiple
+                res = generate(params, cfg, [prompt], dcfg, prompt_slot=slot)
+                want_bnfe = [s["block_nfe"] for s in case.get("block_stats", [])]
+                processed = [s["block_id"] for s in case.get("block_stats", [])]
+                if processed != list(range(dcfg.num_blocks)):
+                    r = CaseResult(name, "fail", f"reference skipped blocks {processed}; baseline never skips")
+                else:
+                    r = _check_generation(name, res, 0, len(prompt), case["generated_ids"], case["nfe"],
+                                          want_block_nfe=want_bnfe)
+            results.append(r)
+            progress(r)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def detect_format(folder: str) -> str:
+    if not os.path.isdir(folder):
+        raise PolestarError(f"folder not found: {folder}")
+    if os.path.isfile(os.path.join(folder, "cases.json")):
+        return "llada"
+    if polestar_run_files(folder):
+        return "polestar"
+    raise PolestarError(f"{folder}: neither cases.json nor Polestar run files (*_<method>_g*_b*_s*.json)")
+
+
+def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None) -> list[CaseResult]:
+    """Loads the model of ``folder`` and replays everything in it (float32, highest matmul precision)."""
+    import jax
+
+    from polestar_jax.checkpoint import load_model
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    kind = detect_format(folder)
+    cfg, params = load_model(folder, dtype="float32")
+    if kind == "llada":
+        return replay_llada_folder(folder, params, cfg, pad_multiple, progress)
+    return replay_polestar_folder(folder, params, cfg, pad_multiple, progress)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (no usage dump)
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = _Parser(prog="python -m polestar_jax.crosscheck", description=__doc__.split("\n")[0])
+    ap.add_argument("folders", nargs="+", metavar="DIR", help="folders in the golden format")
+    ap.add_argument("--pad-multiple", type=int, default=16,
+                    help="left-pad prompts to a multiple of this (exercises the key mask; 1 = no padding)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every case, not only failures")
+    args = ap.parse_args(argv)
+    if args.pad_multiple < 1:
+        ap.error("--pad-multiple must be >= 1")
+
+    def show(r: CaseResult):
+        if r.status == "fail" or args.verbose:
+            print(f"{r.status.upper():4s} {r.name}" + (f": {r.detail}" if r.detail else ""), flush=True)
+
+    all_results: list[CaseResult] = []
+    try:
+        for folder in args.folders:
+            detect_format(folder)
+        for folder in args.folders:
+            print(f"# {folder}", flush=True)
+            res = replay(folder, args.pad_multiple, show)
+            skipped = [r for r in res if r.status == "skip"]
+            if skipped and not args.verbose:
+                reasons = sorted({r.detail for r in skipped})
+                print(f"  {len(skipped)} skipped: {'; '.join(reasons)}")
+            all_results += res
+    except PolestarError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n_pass = sum(r.status == "pass" for r in all_results)
+    n_fail = sum(r.status == "fail" for r in all_results)
+    n_skip = sum(r.status == "skip" for r in all_results)
+    print(f"{n_pass} passed, {n_fail} failed" + (f", {n_skip} skipped" if n_skip else ""))
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
