@@ -145,9 +145,71 @@ class ModelConfig:
 Cache = Literal["none", "prefix", "dual"]
 Rule = Literal["fixed", "threshold", "factor"]
 
-DECODERS = ("llada", "fastdllm")
+DECODERS = ("llada", "fastdllm", "polestar")
 CACHES = ("none", "prefix", "dual")
 REMASKING = ("low_confidence", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolestarConfig:
+    """The knobs of Polestar-Cache and Polestar-Commit; defaults equal the official PyTorch code.
+
+    Cache (refresh of stale cached hidden states):
+      n_clusters      total k-means clusters per layer, split between the prefix and suffix windows
+                      (prefix gets ``min(n-1, max(1, n * pre_len // (pre_len + suf_len)))``).
+      prefix_blocks   prefix window = this many block lengths before the block.
+      suffix_blocks   suffix window = this many block lengths after the block.
+      kmeans_iters    k-means iterations (cosine assignment, raw-mean centroids).
+      top_k           clusters refreshed per layer; ``top_k_last`` at the last layer.
+      windowed_period every ``windowed_period``-th block (b % period == period - 1) starts with a pass over
+                      the window only instead of a full pass (0: always a full pass).
+      trigger_commits a decode step refreshes when the previous step committed more than this many tokens,
+      trigger_accum   or when the commits since the last refresh exceed this.
+    Commit (early commit of converged tokens):
+      history         token-drift history length (delta = drift - mean of the history).
+      early_threshold tokens with ``early_threshold < conf < threshold`` and
+                      ``gate_scale * max(0, gate_center - conf)^2 <= delta < gate_max_delta`` commit early
+                      (None disables early commit).
+      suffix_precommit refreshed suffix rows (last layer's top cluster) whose prediction has confidence
+                      >= threshold are committed ahead of their block.
+    """
+
+    n_clusters: int = 8
+    prefix_blocks: int = 2
+    suffix_blocks: int = 1
+    kmeans_iters: int = 5
+    top_k: int = 4
+    top_k_last: int = 1
+    windowed_period: int = 4
+    trigger_commits: int = 1
+    trigger_accum: int = 2
+    history: int = 5
+    early_threshold: Optional[float] = 0.7
+    gate_center: float = 0.9
+    gate_scale: float = 10.0
+    gate_max_delta: float = 2.0
+    suffix_precommit: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ConfigError(f"invalid Polestar setting: {msg}")
+
+        need(self.n_clusters >= 2, f"n_clusters must be >= 2, got {self.n_clusters}")
+        need(self.prefix_blocks >= 1, f"prefix_blocks must be >= 1, got {self.prefix_blocks}")
+        need(self.suffix_blocks >= 0, f"suffix_blocks must be >= 0, got {self.suffix_blocks}")
+        need(self.kmeans_iters >= 1, f"kmeans_iters must be >= 1, got {self.kmeans_iters}")
+        need(self.top_k >= 0 and self.top_k_last >= 0, "top_k and top_k_last must be >= 0")
+        need(self.windowed_period == 0 or self.windowed_period >= 2,
+             f"windowed_period must be 0 (never) or >= 2, got {self.windowed_period}")
+        need(self.trigger_commits >= 0 and self.trigger_accum >= 0, "refresh triggers must be >= 0")
+        need(self.history >= 1, f"history must be >= 1, got {self.history}")
+        need(self.early_threshold is None or 0.0 <= self.early_threshold <= 1.0,
+             f"early_threshold must be in [0, 1] or None, got {self.early_threshold}")
+        need(self.gate_scale >= 0, f"gate_scale must be >= 0, got {self.gate_scale}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +218,8 @@ class DecodeConfig:
 
     * ``decoder="llada"``: LLaDA's sampler: ``steps // num_blocks`` forwards per block, a fixed number of
       tokens committed per forward, no cache (``cache`` must be ``"none"``, no ``threshold``/``factor``).
+    * ``decoder="polestar"``: Fast-dLLM's dual cache and threshold rule plus Polestar-Cache (drift-guided
+      sparse refresh) and Polestar-Commit (early and suffix commits); knobs in ``polestar``.
     * ``decoder="fastdllm"``: Fast-dLLM's sampler: ``threshold`` (commit every candidate with
       confidence >= threshold, the most confident always), ``factor`` (Fast-dLLM's dynamic rule) or, with
       neither, the fixed schedule; ``cache`` ``none`` / ``prefix`` / ``dual``.
@@ -173,6 +237,7 @@ class DecodeConfig:
     # Fast-dLLM (prefix/dual cache) runs its step loop at least once after the block's full forward, even
     # when that forward filled the block; Polestar's port of the same loop checks for masks first.
     step_after_full_pass: bool = True
+    polestar: PolestarConfig = dataclasses.field(default_factory=PolestarConfig)
 
     def __post_init__(self):
         if self.steps is None:
@@ -214,6 +279,11 @@ class DecodeConfig:
             raise ConfigError(f"factor must be positive, got {self.factor}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.decoder == "polestar":
+            if self.cache != "dual":
+                raise ConfigError("decoder 'polestar' runs on the dual cache (use --cache dual)")
+            if self.threshold is None or self.factor is not None:
+                raise ConfigError("decoder 'polestar' needs a confidence threshold (and no factor rule)")
         if self.decoder == "llada":
             if self.cache != "none":
                 raise ConfigError("decoder 'llada' has no cache (use --cache none or decoder fastdllm)")

@@ -1,6 +1,6 @@
 """The public ``generate()`` API: prompts in, tokens and statistics out (no I/O, no CLI).
 
-The host loop runs over blocks only; each block is one compiled call (:func:`polestar_jax.step.decode_block_jit`)
+The host loop runs over blocks only; each block is one compiled call (:func:`polestar_jax.step.run_block_jit`)
 dispatched asynchronously, so the host never waits for the device inside a generation; results are read
 once at the end.
 """
@@ -16,9 +16,8 @@ import numpy as np
 
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.state import init_state, padded_length
-from polestar_jax.state import DecodeState
-from polestar_jax.step import EngineSpec, Knobs, decode_block_jit
+from polestar_jax.state import DecodeState, init_state, padded_length
+from polestar_jax.step import EngineSpec, Knobs, run_block_jit
 
 
 @dataclasses.dataclass
@@ -39,6 +38,24 @@ class GenerateResult:
     block_nfe: np.ndarray
     seconds: float
     compile_seconds: float = 0.0
+    polestar: Optional[dict] = None  # decoder "polestar": per-row stats arrays (see polestar_stats)
+    steps: Optional[list] = None  # decoder "polestar": per block, the StepOut buffer (numpy)
+
+    def block_stats(self, row: int) -> list[dict]:
+        """Per processed block: ``block_id``, ``block_nfe`` and (Polestar) ``block0_true``,
+        ``efficient_true``, ``cluster_true``, as the PyTorch code reports them."""
+        out = []
+        for blk in range(self.block_nfe.shape[1]):
+            if self.polestar is not None:
+                if not self.polestar["processed"][row, blk]:
+                    continue
+                out.append({"block_id": blk, "block_nfe": int(self.block_nfe[row, blk]),
+                            "block0_true": int(self.polestar["block0"][row, blk]),
+                            "efficient_true": int(self.polestar["efficient"][row, blk]),
+                            "cluster_true": int(self.polestar["cluster_steps"][row, blk])})
+            else:
+                out.append({"block_id": blk, "block_nfe": int(self.block_nfe[row, blk])})
+        return out
 
     def trajectory(self, row: int) -> list[list[tuple[int, int]]]:
         """Per forward, the (position within the generation, token) pairs committed, in position order."""
@@ -61,18 +78,18 @@ def _signature(tree) -> tuple:
     return (treedef, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
 
 
-def compiled_block(params, state: DecodeState, knobs: Knobs, spec: EngineSpec):
+def compiled_block(params, state: DecodeState, knobs: Knobs, spec: EngineSpec, replay=None):
     """The compiled block decoder for these shapes, compiling it on first use.
 
-    Returns ``(fn, compile_seconds)``; ``fn(params, state, block_idx, knobs) -> state``. Executables are
+    Returns ``(fn, compile_seconds)``; ``fn(params, state, block_idx, knobs, replay) -> (state, steps)``. Executables are
     cached per (spec, parameter and state shapes/dtypes), so a second prompt of the same padded length
     reuses the executable (``compile_seconds`` is then 0). :func:`compile_cache_size` exposes the count.
     """
-    key = (spec, _signature(params), _signature(state))
+    key = (spec, _signature(params), _signature(state), _signature(replay))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
-    fn = decode_block_jit.lower(params, state, jnp.int32(0), knobs, spec).compile()
+    fn = run_block_jit.lower(params, state, jnp.int32(0), knobs, replay, spec).compile()
     _COMPILED[key] = fn
     return fn, time.perf_counter() - t0
 
@@ -106,13 +123,16 @@ def generate(
     seed: int | Sequence[int] = 0,
     pad_multiple: int = 16,
     prompt_slot: Optional[int] = None,
+    replay=None,
 ) -> GenerateResult:
     """Generates ``dcfg.gen_length`` tokens after each prompt.
 
     params:  the parameter pytree of :mod:`polestar_jax.model`.
     prompts: b token-id lists (any lengths); they are left-padded to ``prompt_slot`` (default: the longest
              rounded up to ``pad_multiple``), so prompts of one bucket share one compiled executable.
-    seed:    an int (row r uses seed + r) or one seed per row; used only when sampling is random.
+    seed:    an int (row r uses seed + r) or one seed per row; keys the sampling noise and Polestar's
+             k-means draws.
+    replay:  (Polestar) a :class:`polestar_jax.polestar.Replay` of decisions taken from a PyTorch trace.
     """
     check_prompts(prompts, mcfg, dcfg)
     slot = prompt_slot or padded_length([len(p) for p in prompts], pad_multiple)
@@ -123,12 +143,25 @@ def generate(
     knobs = Knobs.from_config(dcfg)
     dtype = jax.tree.leaves(params)[0].dtype
     state = init_state(prompts, mcfg, dcfg.gen_length, slot, dcfg.num_blocks, seeds, cache=dcfg.cache != "none", dtype=dtype)
-    fn, compile_seconds = compiled_block(params, state, knobs, spec)
+    if dcfg.decoder == "polestar":
+        from polestar_jax import polestar
+
+        state = state.replace(polestar=polestar.init_cache(mcfg, dcfg.polestar, len(prompts), state.x.shape[1],
+                                                           dcfg.block_length, dcfg.num_blocks, dtype))
+    fn, compile_seconds = compiled_block(params, state, knobs, spec, replay)
     t0 = time.perf_counter()
+    steps = []
     for blk in range(dcfg.num_blocks):  # dispatched asynchronously: no host sync inside the loop
-        state = fn(params, state, jnp.int32(blk), knobs)
-    x, cstep, nfe, bnfe = jax.device_get((state.x, state.commit_step, state.nfe, state.block_nfe))
+        state, st = fn(params, state, jnp.int32(blk), knobs, replay)
+        steps.append(st)
+    x, cstep, nfe, bnfe, pol, steps = jax.device_get(
+        (state.x, state.commit_step, state.nfe, state.block_nfe, state.polestar, steps))
     seconds = time.perf_counter() - t0
+    pstats = None
+    if pol is not None:
+        pstats = {k: np.asarray(getattr(pol, k)) for k in
+                  ("block0", "efficient", "cluster_steps", "processed", "early", "suffix")}
     return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
                           nfe=np.asarray(nfe), block_nfe=np.asarray(bnfe), seconds=seconds,
-                          compile_seconds=compile_seconds)
+                          compile_seconds=compile_seconds, polestar=pstats,
+                          steps=steps if pol is not None else None)

@@ -68,10 +68,12 @@ def _split_heads(y: jax.Array, n: int) -> jax.Array:
     return y.reshape(b, t, n, -1).transpose(0, 2, 1, 3)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.Array]) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.Array],
+              return_probs: bool = False):
     """Bidirectional attention with rotated ``q`` [b, H, T, hd], ``k``/``v`` [b, KV, L, hd] (GQA when KV < H).
 
-    ``key_valid`` [b, L] (bool) hides padded keys. Softmax in float32. Returns [b, H, T, hd] in q.dtype.
+    ``key_valid`` [b, L] (bool) hides padded keys. Softmax in float32. Returns [b, H, T, hd] in q.dtype, and
+    with ``return_probs`` also the attention probabilities [b, H, T, L] (float32).
     """
     b, h, t, hd = q.shape
     kv = k.shape[1]
@@ -80,9 +82,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
         jnp.float32(hd))
     if key_valid is not None:
         s = jnp.where(key_valid[:, None, None, None, :], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgtl,bkld->bkgtd", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
-    return o.reshape(b, h, t, hd)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgtl,bkld->bkgtd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+    o = o.reshape(b, h, t, hd)
+    if return_probs:
+        return o, p.reshape(b, h, t, -1)
+    return o
+
+
+def project_qkv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention-norm and Q/K/V projections of rows ``h`` [b, T, D]: q [b, H, T, hd], k/v [b, KV, T, hd]
+    (un-rotated)."""
+    xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    return (_split_heads(xn @ lp["wq"], cfg.n_heads), _split_heads(xn @ lp["wk"], cfg.n_kv_heads),
+            _split_heads(xn @ lp["wv"], cfg.n_kv_heads))
+
+
+def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Residual + output projection of the attention result ``a`` [b, H, T, hd], then the SwiGLU MLP
+    block: returns the layer output [b, T, D] for input rows ``h`` [b, T, D]."""
+    b_, _, t_, _ = a.shape
+    a = a.transpose(0, 2, 1, 3).reshape(b_, t_, -1)
+    h = h + a @ lp["wo"]
+    xn = rms_norm(h, lp["ff_norm"], cfg.rms_norm_eps)
+    return h + (jax.nn.silu(xn @ lp["w_gate"]) * (xn @ lp["w_up"])) @ lp["w_down"]
 
 
 class Rope(NamedTuple):
@@ -112,10 +136,7 @@ def layer_forward(
 
     Returns the layer output [b, T, D] and the K/V rows that were written ([b, KV, T, hd] each).
     """
-    xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    q = _split_heads(xn @ lp["wq"], cfg.n_heads)
-    k = _split_heads(xn @ lp["wk"], cfg.n_kv_heads)
-    v = _split_heads(xn @ lp["wv"], cfg.n_kv_heads)
+    q, k, v = project_qkv(lp, h, cfg)
     if cache is None:
         k_all, v_all = k, v
     else:
@@ -128,12 +149,7 @@ def layer_forward(
         v_all = lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=2)
     qr = apply_rope(q, rope.q_cos, rope.q_sin)
     kr = apply_rope(k_all, rope.k_cos, rope.k_sin)
-    a = attention(qr, kr, v_all, key_valid)  # [b, H, T, hd]
-    b_, _, t_, _ = a.shape
-    a = a.transpose(0, 2, 1, 3).reshape(b_, t_, -1)
-    h = h + a @ lp["wo"]
-    xn = rms_norm(h, lp["ff_norm"], cfg.rms_norm_eps)
-    h = h + (jax.nn.silu(xn @ lp["w_gate"]) * (xn @ lp["w_up"])) @ lp["w_down"]
+    h = finish_layer(lp, h, attention(qr, kr, v_all, key_valid), cfg)
     return h, (k, v)
 
 

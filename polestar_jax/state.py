@@ -6,7 +6,7 @@ positions of each row start at 0 on its first real token, so a padded row comput
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import flax.struct
 import jax
@@ -28,6 +28,7 @@ class DecodeState:
     rng          [b, 2] uint32  one PRNG key per row (sampling noise; folded with the row's forward count).
     block_nfe    [b, n_blocks] int32  forwards spent on each block.
     k_cache, v_cache  [N, b, KV, L, hd] or None: un-rotated K/V of the last full pass / step.
+    polestar     Polestar's clusters, hidden states and drift state (decoder "polestar"), else None.
     """
 
     x: jax.Array
@@ -39,6 +40,7 @@ class DecodeState:
     block_nfe: jax.Array
     k_cache: Optional[jax.Array] = None
     v_cache: Optional[jax.Array] = None
+    polestar: Optional[Any] = None  # polestar_jax.polestar.PolestarCache for decoder "polestar"
 
 
 def padded_length(lengths: Sequence[int], multiple: int) -> int:

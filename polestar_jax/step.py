@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from jax import lax
 
 from polestar_jax import commit as commit_rules
 from polestar_jax import model as M
-from polestar_jax.config import DecodeConfig, ModelConfig
+from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.state import DecodeState
 
 
@@ -44,6 +44,7 @@ class EngineSpec:
     stochastic: bool  # temperature > 0
     random_remask: bool
     step_after_full_pass: bool = True
+    polestar: Optional[PolestarConfig] = None  # set for decoder "polestar"
 
     @classmethod
     def from_config(cls, mcfg: ModelConfig, dcfg: DecodeConfig) -> "EngineSpec":
@@ -51,7 +52,8 @@ class EngineSpec:
                    gen_length=dcfg.gen_length, block_length=dcfg.block_length,
                    steps_per_block=dcfg.steps_per_block, stochastic=dcfg.temperature > 0,
                    random_remask=dcfg.remasking == "random",
-                   step_after_full_pass=dcfg.step_after_full_pass)
+                   step_after_full_pass=dcfg.step_after_full_pass,
+                   polestar=dcfg.polestar if dcfg.decoder == "polestar" else None)
 
 
 class Knobs(NamedTuple):
@@ -173,6 +175,19 @@ def decode_block(params, state: DecodeState, block_idx, knobs: Knobs, spec: Engi
     return state.replace(block_nfe=block_nfe)
 
 
+def run_block(params, state: DecodeState, block_idx, knobs: Knobs, replay, spec: EngineSpec):
+    """One block for any decoder: returns ``(state, steps)`` where ``steps`` is Polestar's per-step
+    :class:`polestar_jax.polestar.StepOut` buffer (None for the other decoders). ``replay``: Polestar
+    decisions taken from a PyTorch trace (or None)."""
+    if spec.polestar is None:
+        return decode_block(params, state, block_idx, knobs, spec), None
+    from polestar_jax import polestar
+
+    return polestar.decode_block(params, state, block_idx, knobs.threshold, spec.model, spec.polestar,
+                                 spec.block_length, spec.gen_length, replay)
+
+
+run_block_jit = jax.jit(run_block, static_argnames=("spec",), donate_argnames=("state",))
 decode_block_jit = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",))
 decode_block_jit.__doc__ = """Jitted :func:`decode_block`: compiled once per (spec, shapes); ``block_idx`` and the
 knobs are traced, so every block and every threshold reuse one executable."""

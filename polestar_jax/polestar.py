@@ -1,0 +1,575 @@
+"""Polestar: drift-guided sparse cache refresh and early commit on top of the dual-cache block decoder.
+
+Per block (see ``POLESTAR_SPEC.md`` sections B-G):
+
+1. **Block start** (:func:`start_pass`): a full forward (or, every ``windowed_period``-th block, a forward of
+   the window ``[cs - 2B, ce + B)`` only) that writes the K/V cache, stores every layer's input hidden
+   states of the prefix/suffix windows (the *refresh rows*), clusters them per layer, stores the proxy
+   attention of the centroids (``s_prev``) and the last layer's block attention rows (``p_prev``), and
+   commits by the threshold rule.
+2. **Decode steps** (:func:`decode_step`) until the block has no mask, each one pure function of the state:
+   one forward of the block against the cache. When the previous step committed more than one token (or the
+   commits since the last refresh exceed two) the step *refreshes*: in every layer the refresh rows are
+   computed together with the block rows (one matmul over ``B + R`` rows, ``R`` = window rows), the
+   centroids' proxy attention is compared with ``s_prev`` (cluster drift), the top clusters' rows become the
+   packet that patches the next layer's hidden states, K/V and centroids. Token drift of the last layer
+   drives early commits; refreshed suffix rows of the last layer may commit ahead of their block.
+
+The update packet has capacity ``R`` = every window row, so it can never drop a selected row; a validity
+mask marks the selected ones. Randomness (k-means draws) is an input: from a ``jax.random`` key by default,
+or, for exact replay of the PyTorch code, from a :class:`Replay` of its trace, together with its k-means
+labels and cluster selections (the reference itself is not stable under rounding there, spec J14).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from polestar_jax import cluster as C
+from polestar_jax import commit as R
+from polestar_jax import drift as Dr
+from polestar_jax import model as M
+from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.state import DecodeState
+
+_LAYER_MAJOR = ("hs", "labels", "centroids", "counts", "n_clusters", "s_prev")
+
+
+@flax.struct.dataclass
+class PolestarCache:
+    """Polestar's part of the decode state (``N`` layers, ``b`` rows, ``R`` refresh rows, ``K`` cluster slots).
+
+    hs          [N, b, R, D]     layer-input hidden states of the refresh rows (prefix rows, then suffix rows)
+    labels      [N, b, R] int32  cluster of each refresh row (-1: outside the windows)
+    centroids   [N, b, K, D]     cluster centroids (shifted by refreshes)
+    counts      [N, b, K] f32    cluster sizes
+    n_clusters  [N, b] int32     valid cluster slots
+    s_prev      [N, b, H, K, L]  proxy attention of the last refresh / block start (float32)
+    p_prev      [b, H, B, L]     last layer's block attention rows of the previous forward (float32)
+    hist        [b, n, B] f32    token-drift history of this block (oldest first), ``hist_fill`` [b] valid
+    counter     [b] int32        commits since the last refresh; ``last_commits`` [b] of the previous forward
+    block0 / efficient / cluster_steps [b, n_blocks] int32: per-block stats (full pass, windowed pass,
+                refresh steps); ``processed`` [b, n_blocks] bool; ``early`` / ``suffix`` [b] int32 totals of
+                early and suffix commits.
+    """
+
+    hs: jax.Array
+    labels: jax.Array
+    centroids: jax.Array
+    counts: jax.Array
+    n_clusters: jax.Array
+    s_prev: jax.Array
+    p_prev: jax.Array
+    hist: jax.Array
+    hist_fill: jax.Array
+    counter: jax.Array
+    last_commits: jax.Array
+    block0: jax.Array
+    efficient: jax.Array
+    cluster_steps: jax.Array
+    processed: jax.Array
+    early: jax.Array
+    suffix: jax.Array
+
+
+def init_cache(cfg: ModelConfig, pc: PolestarConfig, b: int, length: int, block: int, n_blocks: int,
+               dtype) -> PolestarCache:
+    """Empty Polestar state for ``b`` rows of total length ``length``."""
+    n, d, h, k = cfg.n_layers, cfg.d_model, cfg.n_heads, pc.n_clusters
+    r = (pc.prefix_blocks + pc.suffix_blocks) * block
+    zi = lambda *s: jnp.zeros(s, jnp.int32)
+    return PolestarCache(
+        hs=jnp.zeros((n, b, r, d), dtype), labels=jnp.full((n, b, r), -1, jnp.int32),
+        centroids=jnp.zeros((n, b, k, d), dtype), counts=jnp.zeros((n, b, k), jnp.float32),
+        n_clusters=zi(n, b), s_prev=jnp.zeros((n, b, h, k, length), jnp.float32),
+        p_prev=jnp.zeros((b, h, block, length), jnp.float32), hist=jnp.zeros((b, pc.history, block), jnp.float32),
+        hist_fill=zi(b), counter=zi(b), last_commits=zi(b), block0=zi(b, n_blocks), efficient=zi(b, n_blocks),
+        cluster_steps=zi(b, n_blocks), processed=jnp.zeros((b, n_blocks), bool), early=zi(b), suffix=zi(b))
+
+
+def select_rows(active: jax.Array, new: DecodeState, old: DecodeState) -> DecodeState:
+    """Per batch row: ``new`` where ``active`` [b], else ``old`` (a finished row waits unchanged)."""
+
+    def sel(axis):
+        def f(n, o):
+            shape = [1] * n.ndim
+            shape[axis] = active.shape[0]
+            return jnp.where(active.reshape(shape), n, o)
+        return f
+
+    pol_new, pol_old = new.polestar, old.polestar
+    base = jax.tree.map(sel(0), new.replace(polestar=None, k_cache=None, v_cache=None),
+                        old.replace(polestar=None, k_cache=None, v_cache=None))
+    kv = jax.tree.map(sel(1), (new.k_cache, new.v_cache), (old.k_cache, old.v_cache))
+    fields = {}
+    for name in PolestarCache.__dataclass_fields__:
+        axis = 1 if name in _LAYER_MAJOR else 0
+        fields[name] = sel(axis)(getattr(pol_new, name), getattr(pol_old, name))
+    return base.replace(k_cache=kv[0], v_cache=kv[1], polestar=PolestarCache(**fields))
+
+
+class Replay(NamedTuple):
+    """Decisions taken from a PyTorch trace, indexed by row and forward number ``F`` (the row's NFE).
+
+    km_init [b, F, N, 2, K], km_reseed [b, F, N, 2, iters, K]: k-means draws (side 0 prefix, 1 suffix);
+    km_labels_pre [b, F, N, iters, Wp], km_labels_suf [b, F, N, iters, Ws]: k-means labels per iteration;
+    km_forced [b, F, N, 2] bool: whether labels are given; topk [b, F, N, K] bool: selected clusters of a
+    refresh step, topk_forced [b, F, N] bool.
+    """
+
+    km_init: jax.Array
+    km_reseed: jax.Array
+    km_labels_pre: jax.Array
+    km_labels_suf: jax.Array
+    km_forced: jax.Array
+    topk: jax.Array
+    topk_forced: jax.Array
+
+
+class StepOut(NamedTuple):
+    """What one decode step computed, per row: the drift statistics and the commit masks.
+
+    active/cluster [b] bool; token_drift, delta [b, B]; cluster_scores [b, N, K] (-inf on invalid slots);
+    selected [b, N, K] clusters refreshed; own_selected [b, N, K] what this implementation would have chosen
+    (differs from ``selected`` only in replay); refreshed_rows [b, N]; commit_threshold, commit_early [b, B];
+    commit_suffix [b, Ws].
+    """
+
+    active: jax.Array
+    cluster: jax.Array
+    token_drift: jax.Array
+    delta: jax.Array
+    cluster_scores: jax.Array
+    selected: jax.Array
+    own_selected: jax.Array
+    refreshed_rows: jax.Array
+    commit_threshold: jax.Array
+    commit_early: jax.Array
+    commit_suffix: jax.Array
+
+
+class Geometry(NamedTuple):
+    """Positions of the block and its refresh rows for one block (shared by all rows of a batch)."""
+
+    cs: jax.Array  # [] block start
+    ref_pos: jax.Array  # [R] positions of the refresh rows (may be < 0 or >= L)
+    ref_valid: jax.Array  # [b, R] position exists and is not padding
+    pre_len: jax.Array  # [b] valid prefix rows (the last ones of the prefix part)
+    suf_len: jax.Array  # [b] valid suffix rows (the first ones of the suffix part)
+
+
+def geometry(state: DecodeState, cs, block: int, pc: PolestarConfig) -> Geometry:
+    length = state.x.shape[1]
+    pre, suf = pc.prefix_blocks * block, pc.suffix_blocks * block
+    pad = -state.pos[:, 0]  # first real position of every row
+    ref_pos = jnp.concatenate([cs - pre + jnp.arange(pre), cs + block + jnp.arange(suf)])
+    is_pre = jnp.arange(pre + suf) < pre
+    ref_valid = jnp.where(is_pre[None], ref_pos[None] >= pad[:, None], (ref_pos < length)[None])
+    ref_valid = ref_valid & (ref_pos[None] >= 0)
+    pre_len = jnp.sum(ref_valid[:, :pre], axis=1).astype(jnp.int32)
+    suf_len = jnp.sum(ref_valid[:, pre:], axis=1).astype(jnp.int32)
+    return Geometry(jnp.asarray(cs, jnp.int32), ref_pos, ref_valid, pre_len, suf_len)
+
+
+def _clip_pos(pos, length):
+    return jnp.clip(pos, 0, length - 1)
+
+
+def _rows_at(a: jax.Array, idx: jax.Array) -> jax.Array:
+    """a [b, L, ...] gathered at positions idx [b, T] or [T] (clipped)."""
+    idx = jnp.broadcast_to(_clip_pos(idx, a.shape[1]), a.shape[:1] + idx.shape[-1:])
+    return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+def _scatter_kv(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
+    """cache [b, KV, L, hd] with rows [b, KV, T, hd] written at positions idx [b, T] (idx >= L dropped)."""
+    bi = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[bi, :, idx].set(rows.transpose(0, 2, 1, 3), mode="drop")
+
+
+def _layer_slices(params):
+    blocks = params["blocks"]
+    head = jax.tree.map(lambda a: a[:-1], blocks)
+    last = jax.tree.map(lambda a: a[-1], blocks)
+    return head, last
+
+
+# ------------------------------------------------------------------------------------ draws and replay
+def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+                      replay: Optional[Replay]) -> tuple[C.KMeansDraws, C.KMeansDraws]:
+    """k-means draws of the block-start pass for every layer and row: ([N, b] prefix, [N, b] suffix)."""
+    n, k, it = cfg.n_layers, pc.n_clusters, pc.kmeans_iters
+    wp, ws = pc.prefix_blocks * block, pc.suffix_blocks * block
+    if replay is not None:
+        at = lambda a: jax.vmap(lambda ar, f: ar[jnp.clip(f, 0, ar.shape[0] - 1)])(a, state.nfe)
+        init, reseed = at(replay.km_init), at(replay.km_reseed)  # [b, N, 2, ...]
+        lp, ls, forced = at(replay.km_labels_pre), at(replay.km_labels_suf), at(replay.km_forced)
+        sw = lambda a: jnp.swapaxes(a, 0, 1)
+        pre = C.KMeansDraws(sw(init[:, :, 0]), sw(reseed[:, :, 0]), sw(lp), sw(forced[:, :, 0]))
+        suf = C.KMeansDraws(sw(init[:, :, 1]), sw(reseed[:, :, 1]), sw(ls), sw(forced[:, :, 1]))
+        return pre, suf
+
+    def row(key, nfe, pre_len, suf_len):
+        base = jax.random.fold_in(jax.random.wrap_key_data(key), nfe)
+
+        def layer(l):
+            kl = jax.random.fold_in(base, l)
+            return (C.random_draws(jax.random.fold_in(kl, 0), pre_len, wp, k, it),
+                    C.random_draws(jax.random.fold_in(kl, 1), suf_len, max(ws, 1), k, it))
+
+        return jax.vmap(layer)(jnp.arange(n))
+
+    pre, suf = jax.vmap(row)(state.rng, state.nfe, geo.pre_len, geo.suf_len)  # leaves [b, N, ...]
+    sw = lambda t: jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), t)
+    pre, suf = sw(pre), sw(suf)
+    if ws == 0:
+        suf = suf._replace(labels=suf.labels[..., :0])
+    return pre, suf
+
+
+# ------------------------------------------------------------------------------------------- the passes
+class StartOut(NamedTuple):
+    k: jax.Array  # [N, b, KV, L, hd]
+    v: jax.Array
+    hs: jax.Array  # [N, b, R, D]
+    clusters: C.Clusters  # leaves [N, b, ...]
+    s_prev: jax.Array  # [N, b, H, K, L]
+    p_prev: jax.Array  # [b, H, B, L]
+    logits: jax.Array  # [b, B, V]
+
+
+def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+               windowed: bool, draws: tuple[C.KMeansDraws, C.KMeansDraws]) -> StartOut:
+    """The block-start forward: full sequence (``windowed=False``) or the window only (``windowed=True``,
+    keys outside the window stay as cached)."""
+    length = state.x.shape[1]
+    pre, suf = pc.prefix_blocks * block, pc.suffix_blocks * block
+    b = state.x.shape[0]
+    if windowed:
+        q_pos_abs = geo.cs - pre + jnp.arange(pre + block + suf)  # window positions
+        valid = jnp.concatenate([geo.ref_valid[:, :pre], jnp.ones((b, block), bool), geo.ref_valid[:, pre:]], 1)
+        write_idx = jnp.where(valid, q_pos_abs[None], length)
+        ids = _rows_at(state.x, q_pos_abs)
+        blk_off = pre
+        hs_rows = jnp.concatenate([jnp.arange(pre), pre + block + jnp.arange(suf)])
+        k0, v0 = state.k_cache, state.v_cache
+    else:
+        q_pos_abs = jnp.arange(length)
+        write_idx = jnp.broadcast_to(q_pos_abs, (b, length))
+        ids = state.x
+        blk_off = geo.cs
+        hs_rows = geo.ref_pos
+        k0 = v0 = None
+    q_pos = _rows_at(state.pos, q_pos_abs)
+    qc, qs = M.rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
+    kc, ks = M.rope_tables(state.pos, cfg.head_dim, cfg.rope_theta)
+    h0 = M.embed(params, ids)
+
+    def layer(h, lp, kcache, vcache, dpre, dsuf, last):
+        hs = _rows_at(h, hs_rows)  # [b, R, D]
+        cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: C.cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
+                                                                      pc.kmeans_iters))(
+            hs[:, :pre], geo.pre_len, hs[:, pre:], geo.suf_len, dpre, dsuf)
+        q, k, v = M.project_qkv(lp, h, cfg)
+        if kcache is None:
+            kk, vv = k, v
+        else:
+            kk, vv = _scatter_kv(kcache, k, write_idx), _scatter_kv(vcache, v, write_idx)
+        qr = M.apply_rope(q, qc, qs)
+        kr = M.apply_rope(kk, kc, ks)
+        if last:
+            a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)
+            p_blk = lax.dynamic_slice_in_dim(p, blk_off, block, axis=2)
+        else:
+            a, p_blk = M.attention(qr, kr, vv, state.key_valid), None
+        out = M.finish_layer(lp, h, a, cfg)
+        s = Dr.proxy_attention(lp, cl.centroids, kk, cfg, state.key_valid)
+        return out, (kk, vv, hs, cl, s), p_blk
+
+    head, last_lp = _layer_slices(params)
+    dpre, dsuf = draws
+    take = lambda t, sl: jax.tree.map(lambda a: a[sl], t)
+    xs = (head, None if k0 is None else k0[:-1], None if v0 is None else v0[:-1],
+          take(dpre, slice(0, -1)), take(dsuf, slice(0, -1)))
+
+    def body(h, x):
+        lp, kc_, vc_, dp, ds = x
+        out, ys, _ = layer(h, lp, kc_, vc_, dp, ds, False)
+        return out, ys
+
+    h, ys_head = lax.scan(body, h0, xs)
+    h, ys_last, p_blk = layer(h, last_lp, None if k0 is None else k0[-1], None if v0 is None else v0[-1],
+                              take(dpre, -1), take(dsuf, -1), True)
+    ys = jax.tree.map(lambda a, l: jnp.concatenate([a, l[None]], 0), ys_head, ys_last)
+    kk, vv, hs, cl, s = ys
+    logits = M.lm_head(params, lax.dynamic_slice_in_dim(h, blk_off, block, axis=1), cfg)
+    return StartOut(kk, vv, hs, cl, s, p_blk, logits)
+
+
+class StepFwd(NamedTuple):
+    k: jax.Array
+    v: jax.Array
+    hs: jax.Array
+    centroids: jax.Array
+    s_prev: jax.Array
+    p_blk: jax.Array  # [b, H, B, L]
+    drift: jax.Array  # [b, B]
+    logits: jax.Array  # [b, B, V]
+    logits_suf: jax.Array  # [b, Ws, V]
+    sel_suf: jax.Array  # [b, Ws] bool rows of the last layer's packet in the suffix window
+    scores: jax.Array  # [N, b, K]
+    selected: jax.Array  # [N, b, K]
+    own: jax.Array  # [N, b, K]
+    n_rows: jax.Array  # [N, b]
+
+
+def top_clusters(scores: jax.Array, n_valid: jax.Array, m: int) -> jax.Array:
+    """The ``min(m, n_valid)`` highest scores [b, K] as a mask; exact ties go to the lowest index."""
+    k = scores.shape[-1]
+    valid = jnp.arange(k)[None, :] < n_valid[:, None]
+    sc = jnp.where(valid, scores, -jnp.inf)
+    rank = R.rank_desc(sc)
+    return valid & (rank < jnp.minimum(m, n_valid)[:, None])
+
+
+def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+                 refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]]) -> StepFwd:
+    """One decode-step forward of the block against the cache; with ``refresh`` the sparse refresh of
+    the rows of the top-drift clusters runs in the same layer pass (for rows with ``cluster_rows`` [b])."""
+    length = state.x.shape[1]
+    pol = state.polestar
+    pre, suf = pc.prefix_blocks * block, pc.suffix_blocks * block
+    b = state.x.shape[0]
+    blk_pos_abs = geo.cs + jnp.arange(block)
+    ref_write = jnp.where(geo.ref_valid, geo.ref_pos[None], length)  # [b, R]
+    if refresh:
+        q_pos = jnp.concatenate([_rows_at(state.pos, blk_pos_abs), _rows_at(state.pos, geo.ref_pos)], axis=1)
+    else:
+        q_pos = _rows_at(state.pos, blk_pos_abs)
+    qc, qs = M.rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
+    kc, ks = M.rope_tables(state.pos, cfg.head_dim, cfg.rope_theta)
+    h_blk0 = M.embed(params, _rows_at(state.x, blk_pos_abs))
+    n_layers = cfg.n_layers
+    kdim = pc.n_clusters
+
+    def layer(carry, lp, kcache, vcache, hs, labels, cent, counts, n_cl, s_prev, fsel, fhas, last):
+        h_blk, pk_h, pk_valid = carry
+        if refresh:
+            patch = pk_valid & (labels >= 0)
+            hs_new = jnp.where(patch[..., None], pk_h, hs)
+            cent = C.shift_centroids(cent, labels, counts, patch, hs, pk_h)
+            rows = jnp.concatenate([h_blk, hs_new], axis=1)
+        else:
+            hs_new, rows = hs, h_blk
+        q, k, v = M.project_qkv(lp, rows, cfg)
+        kk = lax.dynamic_update_slice_in_dim(kcache, k[:, :, :block], geo.cs, axis=2)
+        vv = lax.dynamic_update_slice_in_dim(vcache, v[:, :, :block], geo.cs, axis=2)
+        if refresh:
+            widx = jnp.where(pk_valid, ref_write, length)
+            kk = _scatter_kv(kk, k[:, :, block:], widx)
+            vv = _scatter_kv(vv, v[:, :, block:], widx)
+        qr = M.apply_rope(q, qc, qs)
+        kr = M.apply_rope(kk, kc, ks)
+        if last:
+            a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)
+            p_blk = p[:, :, :block]
+        else:
+            a, p_blk = M.attention(qr, kr, vv, state.key_valid), None
+        out = M.finish_layer(lp, rows, a, cfg)
+        h_blk = out[:, :block]
+        zeros_k = jnp.zeros((b, kdim), bool)
+        if refresh:
+            s = Dr.proxy_attention(lp, cent, kk, cfg, state.key_valid)
+            score = Dr.cluster_drift(s, s_prev)
+            score = jnp.where(jnp.arange(kdim)[None] < n_cl[:, None], score, -jnp.inf)
+            own = top_clusters(score, n_cl, pc.top_k_last if last else pc.top_k)
+            sel_c = jnp.where(fhas[:, None], fsel, own) & cluster_rows[:, None]
+            sel = (labels >= 0) & jnp.take_along_axis(sel_c, jnp.clip(labels, 0, kdim - 1), axis=1)
+            s_prev = jnp.where(cluster_rows[:, None, None, None], s, s_prev)
+            carry = (h_blk, out[:, block:], sel)
+            stats = (score, sel_c, own & cluster_rows[:, None], jnp.sum(sel, axis=1).astype(jnp.int32))
+        else:
+            carry = (h_blk, pk_h, pk_valid)
+            stats = (jnp.full((b, kdim), -jnp.inf), zeros_k, zeros_k, jnp.zeros((b,), jnp.int32))
+        return carry, (kk, vv, hs_new, cent, s_prev), stats, p_blk
+
+    head, last_lp = _layer_slices(params)
+    r_rows = pre + suf
+    carry0 = (h_blk0, jnp.zeros((b, r_rows, cfg.d_model), h_blk0.dtype), jnp.zeros((b, r_rows), bool))
+    if forced is None:
+        fsel_all = jnp.zeros((n_layers, b, kdim), bool)
+        fhas_all = jnp.zeros((n_layers, b), bool)
+    else:
+        fsel_all, fhas_all = forced
+    per_layer = (state.k_cache, state.v_cache, pol.hs, pol.labels, pol.centroids, pol.counts, pol.n_clusters,
+                 pol.s_prev, fsel_all, fhas_all)
+    head_xs = jax.tree.map(lambda a: a[:-1], per_layer)
+    last_xs = jax.tree.map(lambda a: a[-1], per_layer)
+
+    def body(carry, x):
+        lp, rest = x
+        carry, ys, stats, _ = layer(carry, lp, *rest, False)
+        return carry, (ys, stats)
+
+    carry, (ys_head, st_head) = lax.scan(body, carry0, (head, head_xs))
+    carry, ys_last, st_last, p_blk = layer(carry, last_lp, *last_xs, True)
+    cat = lambda a, l: jnp.concatenate([a, l[None]], 0)
+    kk, vv, hs, cent, s_prev = jax.tree.map(cat, ys_head, ys_last)
+    score, sel_c, own, n_rows = jax.tree.map(cat, st_head, st_last)
+    h_blk, pk_h, pk_valid = carry
+    drift = Dr.token_drift(p_blk, pol.p_prev)
+    logits = M.lm_head(params, h_blk, cfg)
+    if refresh and suf:
+        logits_suf = M.lm_head(params, pk_h[:, pre:], cfg)
+        sel_suf = pk_valid[:, pre:]
+    else:
+        logits_suf = jnp.zeros((b, suf, logits.shape[-1]), jnp.float32)
+        sel_suf = jnp.zeros((b, suf), bool)
+    return StepFwd(kk, vv, hs, cent, s_prev, p_blk, drift, logits, logits_suf, sel_suf, score, sel_c, own, n_rows)
+
+
+# ------------------------------------------------------------------------------------------ the block
+def _blk(a, start, length):
+    return lax.dynamic_slice_in_dim(a, start, length, axis=1)
+
+
+def _commit_block(state: DecodeState, cs, block: int, transfer: jax.Array, x0: jax.Array) -> DecodeState:
+    blk_x = _blk(state.x, cs, block)
+    x = lax.dynamic_update_slice_in_dim(state.x, jnp.where(transfer, x0, blk_x), cs, axis=1)
+    cstep = jnp.where(transfer, state.nfe[:, None], _blk(state.commit_step, cs, block))
+    return state.replace(x=x, commit_step=lax.dynamic_update_slice_in_dim(state.commit_step, cstep, cs, axis=1))
+
+
+def block_start(params, state: DecodeState, block_idx, threshold, cfg: ModelConfig, pc: PolestarConfig,
+                block: int, gen_length: int, replay: Optional[Replay]) -> DecodeState:
+    """Start of block ``block_idx``: the full or windowed pass and the threshold commit (rows whose block
+    is already filled skip it: no forward, no stats)."""
+    length = state.x.shape[1]
+    cs = (length - gen_length) + block_idx * block
+    geo = geometry(state, cs, block, pc)
+    draws = block_start_draws(state, geo, cfg, pc, block, replay)
+    period = pc.windowed_period
+    windowed = (period > 0) & (block_idx % max(period, 1) == period - 1) if period else jnp.bool_(False)
+    run = lambda w: (lambda: start_pass(params, state, geo, cfg, pc, block, w, draws))
+    out = lax.cond(windowed, run(True), run(False)) if period else run(False)()
+    pol = state.polestar
+    # (the windowed pass keeps the K/V outside the window; the refresh rows are all inside it)
+    new_pol = pol.replace(hs=out.hs, labels=out.clusters.labels, centroids=out.clusters.centroids,
+                          counts=out.clusters.counts, n_clusters=out.clusters.n, s_prev=out.s_prev,
+                          p_prev=out.p_prev, hist=jnp.zeros_like(pol.hist), hist_fill=jnp.zeros_like(pol.hist_fill),
+                          counter=jnp.zeros_like(pol.counter))
+    masked = _blk(state.x, cs, block) == cfg.mask_token_id
+    active = jnp.any(masked, axis=1)
+    pred = R.predict(out.logits, masked, cfg.mask_token_id)
+    transfer = R.commit_threshold(pred.conf, masked, threshold) & active[:, None]
+    new = _commit_block(state.replace(k_cache=out.k, v_cache=out.v), cs, block, transfer, pred.x0)
+    bi = block_idx
+    new_pol = new_pol.replace(
+        last_commits=jnp.sum(transfer, axis=1).astype(jnp.int32),
+        block0=new_pol.block0.at[:, bi].set(jnp.where(windowed, 0, 1)),
+        efficient=new_pol.efficient.at[:, bi].set(jnp.where(windowed, 1, 0)),
+        processed=new_pol.processed.at[:, bi].set(True))
+    new = new.replace(nfe=new.nfe + 1, polestar=new_pol)
+    new = new.replace(block_nfe=new.block_nfe.at[:, bi].set(1))
+    return select_rows(active, new, state)
+
+
+def decode_step(params, state: DecodeState, block_idx, threshold, cfg: ModelConfig, pc: PolestarConfig,
+                block: int, gen_length: int, replay: Optional[Replay]) -> tuple[DecodeState, StepOut]:
+    """One Polestar decode step of block ``block_idx`` for every row that still has masks in it."""
+    length = state.x.shape[1]
+    cs = (length - gen_length) + block_idx * block
+    geo = geometry(state, cs, block, pc)
+    pol = state.polestar
+    masked = _blk(state.x, cs, block) == cfg.mask_token_id
+    active = jnp.any(masked, axis=1)
+    counter = pol.counter + pol.last_commits
+    cluster = active & ((pol.last_commits > pc.trigger_commits) | (counter > pc.trigger_accum))
+    counter = jnp.where(cluster, 0, counter)
+    forced = None
+    if replay is not None:
+        at = lambda a: jax.vmap(lambda ar, f: ar[jnp.clip(f, 0, ar.shape[0] - 1)])(a, state.nfe)
+        forced = (jnp.swapaxes(at(replay.topk), 0, 1), jnp.swapaxes(at(replay.topk_forced), 0, 1))
+    fwd = lambda r: (lambda: step_forward(params, state, geo, cfg, pc, block, r, cluster, forced))
+    out = lax.cond(jnp.any(cluster), fwd(True), fwd(False))
+    delta = Dr.drift_delta(out.drift, pol.hist, pol.hist_fill)
+    hist, fill = Dr.push_history(pol.hist, pol.hist_fill, out.drift)
+
+    pred = R.predict(out.logits, masked, cfg.mask_token_id)
+    thr = R.commit_threshold(pred.conf, masked, threshold) & active[:, None]
+    early = jnp.zeros_like(thr)
+    if pc.early_threshold is not None:
+        conf = pred.conf
+        gate = pc.gate_scale * jnp.square(jnp.maximum(pc.gate_center - conf, 0.0))
+        early = (masked & (conf > pc.early_threshold) & (conf < threshold) & (delta >= gate)
+                 & (delta < pc.gate_max_delta) & active[:, None])
+    transfer = thr | early
+    new = _commit_block(state, cs, block, transfer, pred.x0)
+
+    suf = pc.suffix_blocks * block
+    commit_suf = jnp.zeros((state.x.shape[0], suf), bool)
+    if pc.suffix_precommit and suf:
+        suf_pos = cs + block + jnp.arange(suf)
+        cur = _rows_at(new.x, suf_pos)
+        cand = out.sel_suf & (cur == cfg.mask_token_id) & geo.ref_valid[:, -suf:] & (cluster & active)[:, None]
+        sp = R.predict(out.logits_suf, cand, cfg.mask_token_id)
+        commit_suf = cand & (sp.conf >= threshold)
+        idx = jnp.where(commit_suf, suf_pos[None], length)
+        bi = jnp.arange(state.x.shape[0])[:, None]
+        new = new.replace(x=new.x.at[bi, idx].set(sp.x0, mode="drop"),
+                          commit_step=new.commit_step.at[bi, idx].set(
+                              jnp.broadcast_to(state.nfe[:, None], idx.shape), mode="drop"))
+
+    n_commit = jnp.sum(transfer, axis=1).astype(jnp.int32)
+    new_pol = pol.replace(
+        hs=out.hs, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk, hist=hist, hist_fill=fill,
+        counter=counter, last_commits=n_commit,
+        cluster_steps=pol.cluster_steps.at[:, block_idx].add(cluster.astype(jnp.int32)),
+        early=pol.early + jnp.sum(early & ~thr, axis=1).astype(jnp.int32),
+        suffix=pol.suffix + jnp.sum(commit_suf, axis=1).astype(jnp.int32))
+    new = new.replace(k_cache=out.k, v_cache=out.v, polestar=new_pol, nfe=state.nfe + 1,
+                      block_nfe=state.block_nfe.at[:, block_idx].add(1))
+    new = select_rows(active, new, state)
+    sw = lambda a: jnp.swapaxes(a, 0, 1)
+    step = StepOut(active, cluster, out.drift, delta, sw(out.scores), sw(out.selected), sw(out.own),
+                   sw(out.n_rows), thr, early & ~thr, commit_suf)
+    return new, step
+
+
+def empty_steps(n_steps: int, b: int, cfg: ModelConfig, pc: PolestarConfig, block: int) -> StepOut:
+    """A zero buffer for ``n_steps`` StepOuts (leading axis = step within the block)."""
+    n, k, suf = cfg.n_layers, pc.n_clusters, pc.suffix_blocks * block
+    z = lambda *s, dt=jnp.float32: jnp.zeros((n_steps,) + s, dt)
+    return StepOut(z(b, dt=bool), z(b, dt=bool), z(b, block), z(b, block),
+                   z(b, n, k), z(b, n, k, dt=bool), z(b, n, k, dt=bool), z(b, n, dt=jnp.int32),
+                   z(b, block, dt=bool), z(b, block, dt=bool), z(b, suf, dt=bool))
+
+
+def decode_block(params, state: DecodeState, block_idx, threshold, cfg: ModelConfig, pc: PolestarConfig,
+                 block: int, gen_length: int, replay: Optional[Replay]) -> tuple[DecodeState, StepOut]:
+    """A whole Polestar block: the block-start pass, then decode steps in a ``lax.while_loop`` (bounded
+    by ``block + 1`` steps: every step commits at least one token). Returns the state and the StepOut of
+    every step ([block + 1, ...], inactive entries zero)."""
+    state = block_start(params, state, block_idx, threshold, cfg, pc, block, gen_length, replay)
+    length = state.x.shape[1]
+    cs = (length - gen_length) + block_idx * block
+    b = state.x.shape[0]
+    n_steps = block + 1
+    trace0 = empty_steps(n_steps, b, cfg, pc, block)
+
+    def cond(c):
+        s, i, _ = c
+        return jnp.any(_blk(s.x, cs, block) == cfg.mask_token_id) & (i < n_steps)
+
+    def body(c):
+        s, i, tr = c
+        s, so = decode_step(params, s, block_idx, threshold, cfg, pc, block, gen_length, replay)
+        tr = jax.tree.map(lambda buf, v: buf.at[i].set(v), tr, so)
+        return s, i + 1, tr
+
+    state, _, trace = lax.while_loop(cond, body, (state, jnp.int32(0), trace0))
+    return state, trace

@@ -1,0 +1,64 @@
+"""Shared fixtures: the tiny golden model (loaded once per session), its cases, float32 matmul precision.
+
+Speed: the suite compiles each decode shape once per process. Subprocess tests (the CLIs) would compile the
+same executables again, so the session uses a private, throw-away persistent compilation cache that the
+subprocesses share (see ``subprocess_env``); results are unaffected, only compile time is saved.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import pytest
+
+# Golden comparisons are made in float32 with exact matmuls (set before anything compiles).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _CACHE_DIR = tempfile.mkdtemp(prefix="polestar_jax_test_cc_")
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+TINY_A_DIR = DATA / "llada_tiny_a"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def matmul_precision_highest():
+    """Every test runs with ``jax_default_matmul_precision = "highest"`` (the golden tolerance assumes it)."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield "highest"
+
+
+@pytest.fixture(scope="session")
+def tiny_a():
+    """(cfg, params) of ``tests/data/llada_tiny_a`` in float32."""
+    from polestar_jax.checkpoint import load_model
+
+    return load_model(str(TINY_A_DIR), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_a_cases() -> dict:
+    """The parsed ``tests/data/llada_tiny_a/cases.json``."""
+    with open(TINY_A_DIR / "cases.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict:
+    """Environment for ``python -m polestar_jax...`` subprocesses: CPU, and this session's compile cache."""
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
