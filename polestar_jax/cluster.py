@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 COUNT_EPS = 1e-6
 NORM_EPS = 1e-12
@@ -39,18 +40,6 @@ class KMeansDraws(NamedTuple):
     reseed: jax.Array
     labels: jax.Array
     forced: jax.Array
-
-
-def random_draws(key: jax.Array, n: jax.Array, w: int, k_max: int, iters: int) -> KMeansDraws:
-    """Draws for one k-means call over ``n`` valid points of a ``w``-row buffer: a random subset as the
-    initial centroids (``randperm(n)[:k]``) and uniform re-seed indices in ``[0, n)``."""
-    k1, k2 = jax.random.split(key)
-    u = jax.random.uniform(k1, (w,))
-    u = jnp.where(jnp.arange(w) < n, u, 2.0)
-    init = jnp.argsort(u)[:k_max] if w >= k_max else jnp.pad(jnp.argsort(u), (0, k_max - w))
-    reseed = jax.random.randint(k2, (iters, k_max), 0, jnp.maximum(n, 1))
-    return KMeansDraws(init.astype(jnp.int32), reseed.astype(jnp.int32),
-                       jnp.zeros((iters, w), jnp.int32), jnp.bool_(False))
 
 
 def _normalize(x: jax.Array) -> jax.Array:
@@ -78,10 +67,8 @@ def kmeans(x: jax.Array, n: jax.Array, k: jax.Array, draws: KMeansDraws, iters: 
     small_c = jnp.where(cl_valid[:, None], tiled, 0.0)
     small_l = jnp.where(row_valid, rows, -1)
 
-    c = xf[jnp.clip(draws.init, 0, w - 1)]
-    ptr = jnp.int32(0)
-    labels = jnp.zeros((w,), jnp.int32)
-    for it in range(iters):
+    def iteration(it, carry):
+        c, ptr, _ = carry
         sim = xn @ _normalize(c).T  # [W, k_max]
         sim = jnp.where(cl_valid[None, :], sim, -jnp.inf)
         labels = jnp.where(draws.forced, draws.labels[it], jnp.argmax(sim, axis=-1).astype(jnp.int32))
@@ -91,8 +78,10 @@ def kmeans(x: jax.Array, n: jax.Array, k: jax.Array, draws: KMeansDraws, iters: 
         empty = (counts == 0) & cl_valid
         r = draws.reseed[jnp.minimum(ptr, draws.reseed.shape[0] - 1)]
         new = jnp.where(empty[:, None], xf[jnp.clip(r, 0, w - 1)], new)
-        ptr = ptr + jnp.any(empty).astype(jnp.int32)
-        c = jnp.where(cl_valid[:, None], new, 0.0)
+        return jnp.where(cl_valid[:, None], new, 0.0), ptr + jnp.any(empty).astype(jnp.int32), labels
+
+    init = (xf[jnp.clip(draws.init, 0, w - 1)], jnp.int32(0), jnp.zeros((w,), jnp.int32))
+    c, _, labels = lax.fori_loop(0, iters, iteration, init)
     big_l = jnp.where(row_valid, labels, -1)
     small = n <= k
     cent = jnp.where(small, small_c, c).astype(x.dtype)

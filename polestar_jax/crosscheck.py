@@ -9,7 +9,10 @@
 * **Polestar format**: ``config.json`` + ``model.safetensors`` + run files
   ``*_<method>_g<gen>_b<block>_s<steps>.json`` (``cases``: prompt, output ids, NFE, ``block_stats``).
   Methods ``plain_steps``, ``plain_thr<t>`` and ``dual_cache_nocluster`` replay without injection;
-  ``polestar`` runs need the Polestar decoder and are reported as skipped until it exists.
+  ``polestar`` runs take the k-means draws and labels and the per-layer cluster selections from
+  ``traces/<stem>.trace.json`` and ``decisions/<stem>_case<i>.json`` and compute everything else; the
+  output ids, NFE and ``block_stats`` must match, and the replay reports how often this implementation's
+  own cluster choice differed from the injected one, and by what score margin.
 
 The last line is ``N passed, M failed[, K skipped]``; the exit status is 1 when anything failed and 2 for
 bad input (missing folder, unreadable files).
@@ -186,7 +189,7 @@ def polestar_run_files(folder: str) -> list[tuple[str, re.Match]]:
 
 
 def decode_config_for_method(method: str, gen: int, block: int, steps: int):
-    """DecodeConfig of a Polestar-repo baseline method (None for ``polestar``)."""
+    """DecodeConfig of a Polestar-repo baseline method."""
     from polestar_jax.config import DecodeConfig
 
     if method == "plain_steps":
@@ -198,13 +201,37 @@ def decode_config_for_method(method: str, gen: int, block: int, steps: int):
     if method == "dual_cache_nocluster":
         return DecodeConfig(decoder="fastdllm", cache="dual", gen_length=gen, block_length=block, steps=steps,
                             threshold=0.9, step_after_full_pass=False)
-    return None
+    raise PolestarError(f"unknown method {method!r}")
+
+
+def selection_disagreements(result) -> tuple[int, int, float]:
+    """(refresh decisions compared, decisions where the own top-k differs from the injected one, largest
+    relative score gap of a differing decision) over all Polestar steps of row 0."""
+    n = diff = 0
+    worst = 0.0
+    for st in result.steps or []:
+        act = np.asarray(st.active)[:, 0] & np.asarray(st.cluster)[:, 0]
+        for i in np.nonzero(act)[0]:
+            sel, own = np.asarray(st.selected[i, 0]), np.asarray(st.own_selected[i, 0])
+            sc = np.asarray(st.cluster_scores[i, 0])
+            for layer in range(sel.shape[0]):
+                n += 1
+                if (sel[layer] != own[layer]).any():
+                    diff += 1
+                    a = sc[layer][sel[layer] & ~own[layer]]
+                    b = sc[layer][own[layer] & ~sel[layer]]
+                    if a.size and b.size:
+                        scale = max(float(np.max(np.abs(sc[layer][np.isfinite(sc[layer])]))), 1e-30)
+                        worst = max(worst, abs(float(b.max() - a.min())) / scale)
+    return n, diff, worst
 
 
 def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
                            progress: Callable[[CaseResult], None] = lambda r: None) -> list[CaseResult]:
     """Replays the run files of a Polestar-format folder (see the module docstring)."""
+    from polestar_jax.config import DecodeConfig
     from polestar_jax.engine import generate
+    from polestar_jax.replay import build_replay
 
     results: list[CaseResult] = []
     for path, m in polestar_run_files(folder):
@@ -212,22 +239,46 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
         data = _read_json(path)
         cases = data["cases"] if isinstance(data, dict) else data
         gen, block, steps = int(m["gen"]), int(m["block"]), int(m["steps"])
-        dcfg = decode_config_for_method(m["method"], gen, block, steps)
+        method = m["method"]
+        if method == "polestar":
+            dcfg = DecodeConfig(decoder="polestar", cache="dual", gen_length=gen, block_length=block,
+                                steps=steps, threshold=0.9)
+            traces = _read_json(os.path.join(folder, "traces", stem + ".trace.json"))["traces"]
+        else:
+            dcfg = decode_config_for_method(method, gen, block, steps)
+        slot = -(-max(len(c["prompt_ids"]) for c in cases) // pad_multiple) * pad_multiple
         for i, case in enumerate(cases):
             name = f"{stem}/case{i}"
-            if dcfg is None:
-                r = CaseResult(name, "skip", "the polestar decoder is not implemented yet")
+            prompt = case["prompt_ids"]
+            replay = None
+            note = ""
+            try:
+                if method == "polestar":
+                    decisions = _read_json(os.path.join(folder, "decisions", f"{stem}_case{i}.json"))
+                    replay = build_replay(traces[i], decisions, cfg, dcfg.polestar, block,
+                                          dcfg.num_blocks * (block + 1))
+                res = generate(params, cfg, [prompt], dcfg, prompt_slot=slot, replay=replay)
+            except PolestarError as e:
+                r = CaseResult(name, "fail", f"cannot replay: {e}")
+                results.append(r)
+                progress(r)
+                continue
+            want = case.get("block_stats", [])
+            if method == "polestar":
+                keys = ("block_id", "block_nfe", "block0_true", "efficient_true", "cluster_true")
+                got_stats = [{k: s[k] for k in keys} for s in res.block_stats(0)]
+                want_stats = [{k: s[k] for k in keys} for s in want]
+                n, diff, worst = selection_disagreements(res)
+                note = f"own cluster choice differed in {diff}/{n} layer decisions (max relative gap {worst:.1e})"
             else:
-                prompt = case["prompt_ids"]
-                slot = -(-len(prompt) // pad_multiple) * pad_multiple
-                res = generate(params, cfg, [prompt], dcfg, prompt_slot=slot)
-                want_bnfe = [s["block_nfe"] for s in case.get("block_stats", [])]
-                processed = [s["block_id"] for s in case.get("block_stats", [])]
-                if processed != list(range(dcfg.num_blocks)):
-                    r = CaseResult(name, "fail", f"reference skipped blocks {processed}; baseline never skips")
-                else:
-                    r = _check_generation(name, res, 0, len(prompt), case["generated_ids"], case["nfe"],
-                                          want_block_nfe=want_bnfe)
+                got_stats = [{"block_id": s["block_id"], "block_nfe": s["block_nfe"]} for s in res.block_stats(0)]
+                want_stats = [{"block_id": s["block_id"], "block_nfe": s["block_nfe"]} for s in want]
+            r = _check_generation(name, res, 0, len(prompt), case["generated_ids"], case["nfe"])
+            if got_stats != want_stats:
+                r.status = "fail"
+                r.detail = "; ".join(x for x in (r.detail, f"block_stats {got_stats} vs reference {want_stats}") if x)
+            if note:
+                r.detail = "; ".join(x for x in (r.detail, note) if x)
             results.append(r)
             progress(r)
     return results
@@ -275,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--pad-multiple must be >= 1")
 
     def show(r: CaseResult):
-        if r.status == "fail" or args.verbose:
+        if r.status == "fail" or args.verbose or "cluster choice differed" in r.detail:
             print(f"{r.status.upper():4s} {r.name}" + (f": {r.detail}" if r.detail else ""), flush=True)
 
     all_results: list[CaseResult] = []

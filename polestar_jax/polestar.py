@@ -191,13 +191,6 @@ def _scatter_kv(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
     return cache.at[bi, :, idx].set(rows.transpose(0, 2, 1, 3), mode="drop")
 
 
-def _layer_slices(params):
-    blocks = params["blocks"]
-    head = jax.tree.map(lambda a: a[:-1], blocks)
-    last = jax.tree.map(lambda a: a[-1], blocks)
-    return head, last
-
-
 # ------------------------------------------------------------------------------------ draws and replay
 def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
                       replay: Optional[Replay]) -> tuple[C.KMeansDraws, C.KMeansDraws]:
@@ -214,20 +207,26 @@ def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: P
         return pre, suf
 
     def row(key, nfe, pre_len, suf_len):
-        base = jax.random.fold_in(jax.random.wrap_key_data(key), nfe)
+        # one uniform draw per (layer, side, slot): a random subset for the initial centroids
+        # (argsort of uniforms over the valid points) and re-seed indices floor(u * n)
+        kk = jax.random.fold_in(jax.random.wrap_key_data(key), nfe)
+        wmax = max(wp, ws, 1)
+        u_init = jax.random.uniform(jax.random.fold_in(kk, 0), (n, 2, wmax))
+        u_res = jax.random.uniform(jax.random.fold_in(kk, 1), (n, 2, it, k))
+        lens = jnp.stack([pre_len, suf_len])  # [2]
+        valid = jnp.arange(wmax)[None, None, :] < lens[None, :, None]
+        order = jnp.argsort(jnp.where(valid, u_init, 2.0), axis=-1).astype(jnp.int32)
+        init = order[..., :k] if wmax >= k else jnp.pad(order, ((0, 0), (0, 0), (0, k - wmax)))
+        reseed = jnp.minimum((u_res * lens[None, :, None, None]).astype(jnp.int32),
+                             jnp.maximum(lens, 1)[None, :, None, None] - 1)
+        return init, reseed
 
-        def layer(l):
-            kl = jax.random.fold_in(base, l)
-            return (C.random_draws(jax.random.fold_in(kl, 0), pre_len, wp, k, it),
-                    C.random_draws(jax.random.fold_in(kl, 1), suf_len, max(ws, 1), k, it))
-
-        return jax.vmap(layer)(jnp.arange(n))
-
-    pre, suf = jax.vmap(row)(state.rng, state.nfe, geo.pre_len, geo.suf_len)  # leaves [b, N, ...]
-    sw = lambda t: jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), t)
-    pre, suf = sw(pre), sw(suf)
-    if ws == 0:
-        suf = suf._replace(labels=suf.labels[..., :0])
+    init, reseed = jax.vmap(row)(state.rng, state.nfe, geo.pre_len, geo.suf_len)  # [b, N, 2, ...]
+    b = state.x.shape[0]
+    sw = lambda a: jnp.swapaxes(a, 0, 1)
+    no = jnp.zeros((n, b), bool)
+    pre = C.KMeansDraws(sw(init[:, :, 0]), sw(reseed[:, :, 0]), jnp.zeros((n, b, it, wp), jnp.int32), no)
+    suf = C.KMeansDraws(sw(init[:, :, 1]), sw(reseed[:, :, 1]), jnp.zeros((n, b, it, ws), jnp.int32), no)
     return pre, suf
 
 
@@ -269,7 +268,9 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
     kc, ks = M.rope_tables(state.pos, cfg.head_dim, cfg.rope_theta)
     h0 = M.embed(params, ids)
 
-    def layer(h, lp, kcache, vcache, dpre, dsuf, last):
+    def layer(carry, xs):
+        h, _ = carry
+        lp, kcache, vcache, dpre, dsuf = xs
         hs = _rows_at(h, hs_rows)  # [b, R, D]
         cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: C.cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
                                                                       pc.kmeans_iters))(
@@ -281,31 +282,14 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
             kk, vv = _scatter_kv(kcache, k, write_idx), _scatter_kv(vcache, v, write_idx)
         qr = M.apply_rope(q, qc, qs)
         kr = M.apply_rope(kk, kc, ks)
-        if last:
-            a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)
-            p_blk = lax.dynamic_slice_in_dim(p, blk_off, block, axis=2)
-        else:
-            a, p_blk = M.attention(qr, kr, vv, state.key_valid), None
+        a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)
+        p_blk = lax.dynamic_slice_in_dim(p, blk_off, block, axis=2)  # kept from the last layer
         out = M.finish_layer(lp, h, a, cfg)
         s = Dr.proxy_attention(lp, cl.centroids, kk, cfg, state.key_valid)
-        return out, (kk, vv, hs, cl, s), p_blk
+        return (out, p_blk), (kk, vv, hs, cl, s)
 
-    head, last_lp = _layer_slices(params)
-    dpre, dsuf = draws
-    take = lambda t, sl: jax.tree.map(lambda a: a[sl], t)
-    xs = (head, None if k0 is None else k0[:-1], None if v0 is None else v0[:-1],
-          take(dpre, slice(0, -1)), take(dsuf, slice(0, -1)))
-
-    def body(h, x):
-        lp, kc_, vc_, dp, ds = x
-        out, ys, _ = layer(h, lp, kc_, vc_, dp, ds, False)
-        return out, ys
-
-    h, ys_head = lax.scan(body, h0, xs)
-    h, ys_last, p_blk = layer(h, last_lp, None if k0 is None else k0[-1], None if v0 is None else v0[-1],
-                              take(dpre, -1), take(dsuf, -1), True)
-    ys = jax.tree.map(lambda a, l: jnp.concatenate([a, l[None]], 0), ys_head, ys_last)
-    kk, vv, hs, cl, s = ys
+    p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
+    (h, p_blk), (kk, vv, hs, cl, s) = lax.scan(layer, (h0, p0), (params["blocks"], k0, v0) + tuple(draws))
     logits = M.lm_head(params, lax.dynamic_slice_in_dim(h, blk_off, block, axis=1), cfg)
     return StartOut(kk, vv, hs, cl, s, p_blk, logits)
 
@@ -356,8 +340,9 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     n_layers = cfg.n_layers
     kdim = pc.n_clusters
 
-    def layer(carry, lp, kcache, vcache, hs, labels, cent, counts, n_cl, s_prev, fsel, fhas, last):
-        h_blk, pk_h, pk_valid = carry
+    def layer(carry, xs):
+        h_blk, pk_h, pk_valid, _ = carry
+        lp, kcache, vcache, hs, labels, cent, counts, n_cl, s_prev, fsel, fhas, li = xs
         if refresh:
             patch = pk_valid & (labels >= 0)
             hs_new = jnp.where(patch[..., None], pk_h, hs)
@@ -374,11 +359,8 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
             vv = _scatter_kv(vv, v[:, :, block:], widx)
         qr = M.apply_rope(q, qc, qs)
         kr = M.apply_rope(kk, kc, ks)
-        if last:
-            a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)
-            p_blk = p[:, :, :block]
-        else:
-            a, p_blk = M.attention(qr, kr, vv, state.key_valid), None
+        a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)
+        p_blk = p[:, :, :block]  # the last layer's stays in the carry
         out = M.finish_layer(lp, rows, a, cfg)
         h_blk = out[:, :block]
         zeros_k = jnp.zeros((b, kdim), bool)
@@ -386,41 +368,30 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
             s = Dr.proxy_attention(lp, cent, kk, cfg, state.key_valid)
             score = Dr.cluster_drift(s, s_prev)
             score = jnp.where(jnp.arange(kdim)[None] < n_cl[:, None], score, -jnp.inf)
-            own = top_clusters(score, n_cl, pc.top_k_last if last else pc.top_k)
+            m = jnp.where(li == n_layers - 1, pc.top_k_last, pc.top_k)
+            own = top_clusters(score, n_cl, m)
             sel_c = jnp.where(fhas[:, None], fsel, own) & cluster_rows[:, None]
             sel = (labels >= 0) & jnp.take_along_axis(sel_c, jnp.clip(labels, 0, kdim - 1), axis=1)
             s_prev = jnp.where(cluster_rows[:, None, None, None], s, s_prev)
-            carry = (h_blk, out[:, block:], sel)
+            carry = (h_blk, out[:, block:], sel, p_blk)
             stats = (score, sel_c, own & cluster_rows[:, None], jnp.sum(sel, axis=1).astype(jnp.int32))
         else:
-            carry = (h_blk, pk_h, pk_valid)
+            carry = (h_blk, pk_h, pk_valid, p_blk)
             stats = (jnp.full((b, kdim), -jnp.inf), zeros_k, zeros_k, jnp.zeros((b,), jnp.int32))
-        return carry, (kk, vv, hs_new, cent, s_prev), stats, p_blk
+        return carry, ((kk, vv, hs_new, cent, s_prev), stats)
 
-    head, last_lp = _layer_slices(params)
     r_rows = pre + suf
-    carry0 = (h_blk0, jnp.zeros((b, r_rows, cfg.d_model), h_blk0.dtype), jnp.zeros((b, r_rows), bool))
+    p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
+    carry0 = (h_blk0, jnp.zeros((b, r_rows, cfg.d_model), h_blk0.dtype), jnp.zeros((b, r_rows), bool), p0)
     if forced is None:
         fsel_all = jnp.zeros((n_layers, b, kdim), bool)
         fhas_all = jnp.zeros((n_layers, b), bool)
     else:
         fsel_all, fhas_all = forced
-    per_layer = (state.k_cache, state.v_cache, pol.hs, pol.labels, pol.centroids, pol.counts, pol.n_clusters,
-                 pol.s_prev, fsel_all, fhas_all)
-    head_xs = jax.tree.map(lambda a: a[:-1], per_layer)
-    last_xs = jax.tree.map(lambda a: a[-1], per_layer)
-
-    def body(carry, x):
-        lp, rest = x
-        carry, ys, stats, _ = layer(carry, lp, *rest, False)
-        return carry, (ys, stats)
-
-    carry, (ys_head, st_head) = lax.scan(body, carry0, (head, head_xs))
-    carry, ys_last, st_last, p_blk = layer(carry, last_lp, *last_xs, True)
-    cat = lambda a, l: jnp.concatenate([a, l[None]], 0)
-    kk, vv, hs, cent, s_prev = jax.tree.map(cat, ys_head, ys_last)
-    score, sel_c, own, n_rows = jax.tree.map(cat, st_head, st_last)
-    h_blk, pk_h, pk_valid = carry
+    xs = (params["blocks"], state.k_cache, state.v_cache, pol.hs, pol.labels, pol.centroids, pol.counts,
+          pol.n_clusters, pol.s_prev, fsel_all, fhas_all, jnp.arange(n_layers))
+    carry, ((kk, vv, hs, cent, s_prev), (score, sel_c, own, n_rows)) = lax.scan(layer, carry0, xs)
+    h_blk, pk_h, pk_valid, p_blk = carry
     drift = Dr.token_drift(p_blk, pol.p_prev)
     logits = M.lm_head(params, h_blk, cfg)
     if refresh and suf:
