@@ -124,13 +124,23 @@ def cluster_windows(
     suffix rows ``x_suf`` [Ws, D] (valid rows first) of one batch row. Labels are returned over the
     concatenated rows [Wp + Ws] with suffix labels offset by ``n_pre``."""
     wp, ws = x_pre.shape[0], x_suf.shape[0]
+    w = max(wp, ws)
     n_pre, n_post = split_budget(pre_len, suf_len, n_clusters)
     off = wp - pre_len
-    c_pre, l_pre = kmeans(compact(x_pre, off, wp), pre_len, n_pre, draws_pre, iters)
-    if ws:
-        c_suf, l_suf = kmeans(x_suf, suf_len, n_post, draws_suf, iters)
-    else:  # no suffix window configured
-        c_suf, l_suf = jnp.zeros_like(c_pre), jnp.zeros((0,), jnp.int32)
+
+    def pad_rows(a, axis=0):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, w - a.shape[axis])
+        return jnp.pad(a, widths)
+
+    # both windows in one (vmapped) k-means: valid points first, padded to the same buffer length
+    xs = jnp.stack([pad_rows(compact(x_pre, off, wp)), pad_rows(x_suf)])
+    draws = jax.tree.map(lambda a, b: jnp.stack([a, b]), draws_pre._replace(labels=pad_rows(draws_pre.labels, 1)),
+                         draws_suf._replace(labels=pad_rows(draws_suf.labels, 1)))
+    cents, labs = jax.vmap(lambda x, n, k, d: kmeans(x, n, k, d, iters))(
+        xs, jnp.stack([pre_len, suf_len]), jnp.stack([n_pre, n_post]), draws)
+    c_pre, l_pre = cents[0], labs[0][:wp]
+    c_suf, l_suf = cents[1], labs[1][:ws]
     # labels back to buffer rows: prefix buffer row r holds compact row r - off
     r = jnp.arange(wp)
     l_pre_rows = jnp.where(r >= off, l_pre[jnp.clip(r - off, 0, wp - 1)], -1)

@@ -38,13 +38,13 @@ def _threshold(v: str) -> Optional[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m polestar_jax.generate",
-                 description="Generate text with a LLaDA diffusion LM (LLaDA / Fast-dLLM decoders).")
+                 description="Generate text with a LLaDA diffusion LM (Polestar, Fast-dLLM or LLaDA decoders).")
     ap.add_argument("--model", help="model folder (HF or converted); default: the bundled tiny random model")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     ap.add_argument("--prompts-file", help="a file with one prompt per line")
-    ap.add_argument("--decoder", default="fastdllm", choices=DECODERS)
+    ap.add_argument("--decoder", default="polestar", choices=DECODERS)
     ap.add_argument("--cache", default=None, choices=CACHES,
-                    help="KV cache (fastdllm; default dual; llada: none)")
+                    help="KV cache (default: dual; llada: none; polestar needs dual)")
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=None, help="total forwards of the fixed schedule (default: gen length)")
@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--remasking", default="low_confidence", choices=REMASKING)
     ap.add_argument("--seed", type=int, default=0, help="PRNG seed (row r uses seed + r)")
+    g = ap.add_argument_group("Polestar knobs (defaults = the reference code)")
+    g.add_argument("--clusters", type=int, default=8, help="k-means clusters per layer (prefix + suffix)")
+    g.add_argument("--top-k", type=int, default=4, help="clusters refreshed per layer (1 at the last layer)")
+    g.add_argument("--early-threshold", type=_threshold, default="0.7",
+                   help="lower confidence bound of early commit ('none' disables early commit)")
+    g.add_argument("--windowed-period", type=int, default=4,
+                   help="every n-th block starts with a windowed pass (0: always a full pass)")
+    g.add_argument("--no-suffix-commit", action="store_true", help="disable suffix pre-commit")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     ap.add_argument("--json", action="store_true", help="print a JSON object as the last line")
@@ -61,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def decode_config_from_args(args) -> DecodeConfig:
+    from polestar_jax.config import PolestarConfig
+
     decoder = args.decoder
     threshold = args.threshold if isinstance(args.threshold, (float, type(None))) else _threshold(args.threshold)
     if decoder == "llada":
@@ -70,9 +80,12 @@ def decode_config_from_args(args) -> DecodeConfig:
         cache = args.cache or "dual"
     if args.factor is not None:
         threshold = None
+    early = args.early_threshold if not isinstance(args.early_threshold, str) else _threshold(args.early_threshold)
+    pc = PolestarConfig(n_clusters=args.clusters, top_k=args.top_k, early_threshold=early,
+                        windowed_period=args.windowed_period, suffix_precommit=not args.no_suffix_commit)
     return DecodeConfig(decoder=decoder, cache=cache, gen_length=args.gen_length, block_length=args.block_length,
                         steps=args.steps, threshold=threshold, factor=args.factor, temperature=args.temperature,
-                        remasking=args.remasking)
+                        remasking=args.remasking, polestar=pc)
 
 
 def read_prompts(args) -> list[str]:
@@ -126,22 +139,33 @@ def run(argv: Optional[list[str]] = None) -> int:
         resp = response_ids(gen, cfg, sorted(stop))
         n_tokens = sum(1 for t in gen if t not in stop)  # TPF as the paper: non-EOS generated tokens / NFE
         nfe = int(res.nfe[r])
-        rows.append({
-            "prompt": prompts[r], "text": tok.decode(resp), "token_ids": gen, "nfe": nfe,
-            "tpf": n_tokens / nfe if nfe else 0.0, "generated_tokens": n_tokens,
-        })
+        row = {"prompt": prompts[r], "text": tok.decode(resp), "token_ids": gen, "nfe": nfe,
+               "tpf": n_tokens / nfe if nfe else 0.0, "generated_tokens": n_tokens}
+        if res.polestar is not None:
+            row.update(refresh_steps=int(res.polestar["cluster_steps"][r].sum()),
+                       early_commits=int(res.polestar["early"][r]),
+                       suffix_commits=int(res.polestar["suffix"][r]),
+                       windowed_passes=int(res.polestar["efficient"][r].sum()))
+        rows.append(row)
     total_tokens = sum(r["generated_tokens"] for r in rows)
     tps = total_tokens / res.seconds if res.seconds > 0 else 0.0
     for i, row in enumerate(rows):
         if len(rows) > 1:
             print(f"--- [{i}] {row['prompt']}")
         print(row["text"])
+        extra = ""
+        if "refresh_steps" in row:
+            extra = (f" refresh_steps={row['refresh_steps']} early_commits={row['early_commits']} "
+                     f"suffix_commits={row['suffix_commits']}")
         print(f"[{dcfg.decoder}/{dcfg.cache}] nfe={row['nfe']} tpf={row['tpf']:.2f} "
-              f"tokens={row['generated_tokens']}")
+              f"tokens={row['generated_tokens']}{extra}")
     print(f"stats: nfe={int(res.nfe.sum())} tpf={total_tokens / max(int(res.nfe.sum()), 1):.2f} "
           f"tokens/s={tps:.1f} decode={res.seconds:.3f}s compile={res.compile_seconds:.2f}s")
     if args.json:
         out = dict(rows[0]) if len(rows) == 1 else {"text": [r["text"] for r in rows]}
+        for key in ("refresh_steps", "early_commits", "suffix_commits"):
+            if key in rows[0]:
+                out[key] = rows[0][key] if len(rows) == 1 else [r[key] for r in rows]
         out.update({"nfe": rows[0]["nfe"] if len(rows) == 1 else [r["nfe"] for r in rows],
                     "tpf": rows[0]["tpf"] if len(rows) == 1 else [r["tpf"] for r in rows],
                     "token_ids": rows[0]["token_ids"] if len(rows) == 1 else [r["token_ids"] for r in rows],

@@ -192,6 +192,22 @@ def _scatter_kv(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------ draws and replay
+def _hash32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer mixer (lowbias32): the counter-based generator of the default k-means draws.
+    Pure integer arithmetic, so the draws are identical on every backend and cost nothing to compile."""
+    x = x.astype(jnp.uint32)
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:
+    """Uniform floats in [0, 1) for each ``counter`` under ``seed``."""
+    return (_hash32(_hash32(counter) ^ seed) >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
 def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
                       replay: Optional[Replay]) -> tuple[C.KMeansDraws, C.KMeansDraws]:
     """k-means draws of the block-start pass for every layer and row: ([N, b] prefix, [N, b] suffix)."""
@@ -207,12 +223,13 @@ def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: P
         return pre, suf
 
     def row(key, nfe, pre_len, suf_len):
-        # one uniform draw per (layer, side, slot): a random subset for the initial centroids
-        # (argsort of uniforms over the valid points) and re-seed indices floor(u * n)
-        kk = jax.random.fold_in(jax.random.wrap_key_data(key), nfe)
+        # counter-based draws hashed from the row's key, its forward count and the slot: a random subset
+        # for the initial centroids (argsort of uniforms over the valid points), re-seeds floor(u * n)
         wmax = max(wp, ws, 1)
-        u_init = jax.random.uniform(jax.random.fold_in(kk, 0), (n, 2, wmax))
-        u_res = jax.random.uniform(jax.random.fold_in(kk, 1), (n, 2, it, k))
+        seed = _hash32(_hash32(key[0] ^ _hash32(key[1])) ^ nfe.astype(jnp.uint32))
+        u_init = _uniform(seed, jnp.arange(n * 2 * wmax, dtype=jnp.uint32)).reshape(n, 2, wmax)
+        u_res = _uniform(seed ^ jnp.uint32(0x9E3779B9),
+                         jnp.arange(n * 2 * it * k, dtype=jnp.uint32)).reshape(n, 2, it, k)
         lens = jnp.stack([pre_len, suf_len])  # [2]
         valid = jnp.arange(wmax)[None, None, :] < lens[None, :, None]
         order = jnp.argsort(jnp.where(valid, u_init, 2.0), axis=-1).astype(jnp.int32)
