@@ -114,8 +114,30 @@ def response_ids(tokens: Sequence[int], cfg: ModelConfig, stop_ids: Sequence[int
     return out
 
 
+def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
+    """Turns on JAX's persistent compilation cache (``$POLESTAR_JAX_CACHE``, default
+    ``~/.cache/polestar_jax/xla``; ``POLESTAR_JAX_CACHE=off`` disables it), so a second run of the same
+    shapes skips compilation. Returns the folder used, or None."""
+    import os
+
+    import jax
+
+    path = path or os.environ.get("POLESTAR_JAX_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "polestar_jax", "xla")
+    if path.lower() == "off":
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except OSError:
+        return None
+    return path
+
+
 def run(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    enable_compile_cache()
     dcfg = decode_config_from_args(args)
     prompts = read_prompts(args)
 
