@@ -361,10 +361,12 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         h_blk, pk_h, pk_valid, _ = carry
         lp, kcache, vcache, hs, labels, cent, counts, n_cl, s_prev, fsel, fhas, li = xs
         if refresh:
+            # the previous layer's packet patches this layer's hidden states (rows clustered here) and K/V
+            # (every packet row, spec J8); the refresh rows' inputs are the patched states
             patch = pk_valid & (labels >= 0)
             hs_new = jnp.where(patch[..., None], pk_h, hs)
             cent = C.shift_centroids(cent, labels, counts, patch, hs, pk_h)
-            rows = jnp.concatenate([h_blk, hs_new], axis=1)
+            rows = jnp.concatenate([h_blk, jnp.where(pk_valid[..., None], pk_h, hs)], axis=1)
         else:
             hs_new, rows = hs, h_blk
         q, k, v = M.project_qkv(lp, rows, cfg)
