@@ -118,8 +118,10 @@ def _check_generation(name, result, row, prompt_len, want_generated, want_nfe, w
 
 
 def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
-                        progress: Callable[[CaseResult], None] = lambda r: None) -> list[CaseResult]:
-    """Replays every logits case and generate case of a ``cases.json`` folder."""
+                        progress: Callable[[CaseResult], None] = lambda r: None, batch: int = 1,
+                        mesh=None) -> list[CaseResult]:
+    """Replays every logits case and generate case of a ``cases.json`` folder; generate cases with the
+    same settings run ``batch`` at a time."""
     import jax.numpy as jnp
 
     from polestar_jax import model
@@ -156,6 +158,7 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
     if gen_cases:
         longest = max(len(c["prompt_ids"]) for c in gen_cases)
         slot = -(-longest // pad_multiple) * pad_multiple
+    runnable = []
     for case in gen_cases:
         name = case.get("name", "?")
         try:
@@ -163,13 +166,22 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
         except PolestarError as e:
             add(CaseResult(name, "skip", str(e)))
             continue
-        prompt = case["prompt_ids"]
-        if len(prompt) + dcfg.gen_length > cfg.max_sequence_length:
+        if len(case["prompt_ids"]) + dcfg.gen_length > cfg.max_sequence_length:
             add(CaseResult(name, "skip", "longer than max_sequence_length"))
             continue
-        res = generate(params, cfg, [prompt], dcfg, prompt_slot=max(slot, len(prompt)))
-        add(_check_generation(name, res, 0, len(prompt), case["generated_ids"], case["nfe"],
-                              case.get("trajectory"), case.get("margins", {}).get("commits_per_forward")))
+        runnable.append((case, dcfg))
+    # cases with the same decode configuration run ``batch`` at a time (prompts of mixed lengths)
+    groups: dict = {}
+    for case, dcfg in runnable:
+        groups.setdefault(dcfg, []).append(case)
+    for dcfg, cases in groups.items():
+        for i in range(0, len(cases), batch):
+            chunk = cases[i:i + batch]
+            res = generate(params, cfg, [c["prompt_ids"] for c in chunk], dcfg, prompt_slot=slot, mesh=mesh)
+            for r, case in enumerate(chunk):
+                add(_check_generation(case.get("name", "?"), res, r, len(case["prompt_ids"]),
+                                      case["generated_ids"], case["nfe"], case.get("trajectory"),
+                                      case.get("margins", {}).get("commits_per_forward")))
     return results
 
 
@@ -204,16 +216,16 @@ def decode_config_for_method(method: str, gen: int, block: int, steps: int):
     raise PolestarError(f"unknown method {method!r}")
 
 
-def selection_disagreements(result) -> tuple[int, int, float]:
+def selection_disagreements(result, row: int = 0) -> tuple[int, int, float]:
     """(refresh decisions compared, decisions where the own top-k differs from the injected one, largest
-    relative score gap of a differing decision) over all Polestar steps of row 0."""
+    relative score gap of a differing decision) over all Polestar steps of ``row``."""
     n = diff = 0
     worst = 0.0
     for st in result.steps or []:
-        act = np.asarray(st.active)[:, 0] & np.asarray(st.cluster)[:, 0]
+        act = np.asarray(st.active)[:, row] & np.asarray(st.cluster)[:, row]
         for i in np.nonzero(act)[0]:
-            sel, own = np.asarray(st.selected[i, 0]), np.asarray(st.own_selected[i, 0])
-            sc = np.asarray(st.cluster_scores[i, 0])
+            sel, own = np.asarray(st.selected[i, row]), np.asarray(st.own_selected[i, row])
+            sc = np.asarray(st.cluster_scores[i, row])
             for layer in range(sel.shape[0]):
                 n += 1
                 if (sel[layer] != own[layer]).any():
@@ -226,9 +238,34 @@ def selection_disagreements(result) -> tuple[int, int, float]:
     return n, diff, worst
 
 
+def _check_polestar_case(name: str, res, row: int, case: dict, method: str) -> CaseResult:
+    want = case.get("block_stats", [])
+    note = ""
+    if method == "polestar":
+        keys = ("block_id", "block_nfe", "block0_true", "efficient_true", "cluster_true")
+        got_stats = [{k: s[k] for k in keys} for s in res.block_stats(row)]
+        want_stats = [{k: s[k] for k in keys} for s in want]
+        n, diff, worst = selection_disagreements(res, row)
+        note = f"own cluster choice differed in {diff}/{n} layer decisions (max relative gap {worst:.1e})"
+    else:
+        got_stats = [{"block_id": s["block_id"], "block_nfe": s["block_nfe"]} for s in res.block_stats(row)]
+        want_stats = [{"block_id": s["block_id"], "block_nfe": s["block_nfe"]} for s in want]
+    r = _check_generation(name, res, row, len(case["prompt_ids"]), case["generated_ids"], case["nfe"])
+    if got_stats != want_stats:
+        r.status = "fail"
+        r.detail = "; ".join(x for x in (r.detail, f"block_stats {got_stats} vs reference {want_stats}") if x)
+    if note:
+        r.detail = "; ".join(x for x in (r.detail, note) if x)
+    return r
+
+
 def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
-                           progress: Callable[[CaseResult], None] = lambda r: None) -> list[CaseResult]:
-    """Replays the run files of a Polestar-format folder (see the module docstring)."""
+                           progress: Callable[[CaseResult], None] = lambda r: None, batch: int = 1,
+                           mesh=None) -> list[CaseResult]:
+    """Replays the run files of a Polestar-format folder (see the module docstring), ``batch`` cases of
+    a run file at a time."""
+    import jax.numpy as jnp
+
     from polestar_jax.config import DecodeConfig
     from polestar_jax.engine import generate
     from polestar_jax.replay import build_replay
@@ -247,40 +284,29 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
         else:
             dcfg = decode_config_for_method(method, gen, block, steps)
         slot = -(-max(len(c["prompt_ids"]) for c in cases) // pad_multiple) * pad_multiple
-        for i, case in enumerate(cases):
-            name = f"{stem}/case{i}"
-            prompt = case["prompt_ids"]
-            replay = None
-            note = ""
+        for c0 in range(0, len(cases), batch):
+            chunk = list(enumerate(cases))[c0:c0 + batch]
+            names = [f"{stem}/case{i}" for i, _ in chunk]
             try:
+                replay = None
                 if method == "polestar":
-                    decisions = _read_json(os.path.join(folder, "decisions", f"{stem}_case{i}.json"))
-                    replay = build_replay(traces[i], decisions, cfg, dcfg.polestar, block,
-                                          dcfg.num_blocks * (block + 1))
-                res = generate(params, cfg, [prompt], dcfg, prompt_slot=slot, replay=replay)
+                    reps = [build_replay(traces[i], _read_json(os.path.join(folder, "decisions",
+                                                                            f"{stem}_case{i}.json")),
+                                         cfg, dcfg.polestar, block, dcfg.num_blocks * (block + 1))
+                            for i, _ in chunk]
+                    replay = type(reps[0])(*(jnp.concatenate(a, axis=0) for a in zip(*reps)))
+                res = generate(params, cfg, [c["prompt_ids"] for _, c in chunk], dcfg, prompt_slot=slot,
+                               replay=replay, mesh=mesh)
             except PolestarError as e:
-                r = CaseResult(name, "fail", f"cannot replay: {e}")
+                for name in names:
+                    r = CaseResult(name, "fail", f"cannot replay: {e}")
+                    results.append(r)
+                    progress(r)
+                continue
+            for row, ((i, case), name) in enumerate(zip(chunk, names)):
+                r = _check_polestar_case(name, res, row, case, method)
                 results.append(r)
                 progress(r)
-                continue
-            want = case.get("block_stats", [])
-            if method == "polestar":
-                keys = ("block_id", "block_nfe", "block0_true", "efficient_true", "cluster_true")
-                got_stats = [{k: s[k] for k in keys} for s in res.block_stats(0)]
-                want_stats = [{k: s[k] for k in keys} for s in want]
-                n, diff, worst = selection_disagreements(res)
-                note = f"own cluster choice differed in {diff}/{n} layer decisions (max relative gap {worst:.1e})"
-            else:
-                got_stats = [{"block_id": s["block_id"], "block_nfe": s["block_nfe"]} for s in res.block_stats(0)]
-                want_stats = [{"block_id": s["block_id"], "block_nfe": s["block_nfe"]} for s in want]
-            r = _check_generation(name, res, 0, len(prompt), case["generated_ids"], case["nfe"])
-            if got_stats != want_stats:
-                r.status = "fail"
-                r.detail = "; ".join(x for x in (r.detail, f"block_stats {got_stats} vs reference {want_stats}") if x)
-            if note:
-                r.detail = "; ".join(x for x in (r.detail, note) if x)
-            results.append(r)
-            progress(r)
     return results
 
 
@@ -295,8 +321,10 @@ def detect_format(folder: str) -> str:
     raise PolestarError(f"{folder}: neither cases.json nor Polestar run files (*_<method>_g*_b*_s*.json)")
 
 
-def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None) -> list[CaseResult]:
-    """Loads the model of ``folder`` and replays everything in it (float32, highest matmul precision)."""
+def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: int = 1,
+           mesh=None) -> list[CaseResult]:
+    """Loads the model of ``folder`` and replays everything in it (float32, highest matmul precision),
+    ``batch`` cases at a time."""
     import jax
 
     from polestar_jax.checkpoint import load_model
@@ -305,8 +333,8 @@ def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None) -> list
     kind = detect_format(folder)
     cfg, params = load_model(folder, dtype="float32")
     if kind == "llada":
-        return replay_llada_folder(folder, params, cfg, pad_multiple, progress)
-    return replay_polestar_folder(folder, params, cfg, pad_multiple, progress)
+        return replay_llada_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
+    return replay_polestar_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -320,10 +348,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("folders", nargs="+", metavar="DIR", help="folders in the golden format")
     ap.add_argument("--pad-multiple", type=int, default=16,
                     help="left-pad prompts to a multiple of this (exercises the key mask; 1 = no padding)")
+    ap.add_argument("--batch", type=int, default=1, help="replay this many cases at a time (mixed lengths)")
+    ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every case, not only failures")
     args = ap.parse_args(argv)
     if args.pad_multiple < 1:
         ap.error("--pad-multiple must be >= 1")
+    if args.batch < 1:
+        ap.error("--batch must be >= 1")
+    try:
+        from polestar_jax import sharding
+
+        sharding.maybe_initialize_distributed()
+        mesh = sharding.mesh_or_none(args.mesh)
+    except PolestarError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     def show(r: CaseResult):
         if r.status == "fail" or args.verbose or "cluster choice differed" in r.detail:
@@ -335,7 +375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             detect_format(folder)
         for folder in args.folders:
             print(f"# {folder}", flush=True)
-            res = replay(folder, args.pad_multiple, show)
+            res = replay(folder, args.pad_multiple, show, args.batch, mesh)
             skipped = [r for r in res if r.status == "skip"]
             if skipped and not args.verbose:
                 reasons = sorted({r.detail for r in skipped})

@@ -17,7 +17,7 @@ import numpy as np
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
 from polestar_jax.state import DecodeState, init_state, padded_length
-from polestar_jax.step import EngineSpec, Knobs, run_block_jit
+from polestar_jax.step import EngineSpec, Knobs, run_block, run_block_jit
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ _COMPILED: dict = {}
 
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((tuple(a.shape), str(a.dtype)) for a in leaves))
+    return (treedef, tuple((tuple(a.shape), str(a.dtype), getattr(a, "sharding", None)) for a in leaves))
 
 
 def compiled_block(params, state: DecodeState, knobs: Knobs, spec: EngineSpec, replay=None):
@@ -89,9 +89,27 @@ def compiled_block(params, state: DecodeState, knobs: Knobs, spec: EngineSpec, r
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
-    fn = run_block_jit.lower(params, state, jnp.int32(0), knobs, replay, spec).compile()
+    jitted = run_block_jit
+    mesh = _mesh_of(state)
+    if mesh is not None:
+        # keep the state's sharding across blocks: outputs are constrained to the input layout
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        out = jax.eval_shape(lambda p, s, r: run_block(p, s, jnp.int32(0), knobs, r, spec), params, state, replay)
+        rep = NamedSharding(mesh, PartitionSpec())
+        out_sh = (jax.tree.map(lambda a: a.sharding, state), jax.tree.map(lambda _: rep, out[1]))
+        jitted = jax.jit(run_block, static_argnames=("spec",), donate_argnames=("state",), out_shardings=out_sh)
+    fn = jitted.lower(params, state, jnp.int32(0), knobs, replay, spec).compile()
     _COMPILED[key] = fn
     return fn, time.perf_counter() - t0
+
+
+def _mesh_of(tree):
+    for leaf in jax.tree.leaves(tree):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None and getattr(mesh, "size", 1) > 1:
+            return mesh
+    return None
 
 
 def compile_cache_size() -> int:
@@ -124,6 +142,7 @@ def generate(
     pad_multiple: int = 16,
     prompt_slot: Optional[int] = None,
     replay=None,
+    mesh=None,
 ) -> GenerateResult:
     """Generates ``dcfg.gen_length`` tokens after each prompt.
 
@@ -133,6 +152,8 @@ def generate(
     seed:    an int (row r uses seed + r) or one seed per row; keys the sampling noise and Polestar's
              k-means draws.
     replay:  (Polestar) a :class:`polestar_jax.polestar.Replay` of decisions taken from a PyTorch trace.
+    mesh:    a ``jax.sharding.Mesh`` with axes (data, model): parameters and state are sharded over it
+             (see :mod:`polestar_jax.sharding`); None runs on the default device.
     """
     check_prompts(prompts, mcfg, dcfg)
     slot = prompt_slot or padded_length([len(p) for p in prompts], pad_multiple)
@@ -148,13 +169,22 @@ def generate(
 
         state = state.replace(polestar=polestar.init_cache(mcfg, dcfg.polestar, len(prompts), state.x.shape[1],
                                                            dcfg.block_length, dcfg.num_blocks, dtype))
+    if mesh is not None:
+        from polestar_jax import sharding
+
+        params = sharding.shard(params, sharding.param_shardings(params, mesh))
+        state = sharding.shard(state, sharding.state_shardings(state, mesh))
+        if replay is not None:
+            replay = sharding.shard(replay, sharding.state_shardings(replay, mesh))
     fn, compile_seconds = compiled_block(params, state, knobs, spec, replay)
     t0 = time.perf_counter()
     steps = []
     for blk in range(dcfg.num_blocks):  # dispatched asynchronously: no host sync inside the loop
         state, st = fn(params, state, jnp.int32(blk), knobs, replay)
         steps.append(st)
-    x, cstep, nfe, bnfe, pol, steps = jax.device_get(
+    from polestar_jax.sharding import to_host
+
+    x, cstep, nfe, bnfe, pol, steps = to_host(
         (state.x, state.commit_step, state.nfe, state.block_nfe, state.polestar, steps))
     seconds = time.perf_counter() - t0
     pstats = None

@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--windowed-period", type=int, default=4,
                    help="every n-th block starts with a windowed pass (0: always a full pass)")
     g.add_argument("--no-suffix-commit", action="store_true", help="disable suffix pre-commit")
+    ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     ap.add_argument("--json", action="store_true", help="print a JSON object as the last line")
@@ -149,7 +150,11 @@ def run(argv: Optional[list[str]] = None) -> int:
     cfg, params = load_model(model_dir, dtype=args.dtype)
     tok = load_tokenizer(model_dir)
     ids = [tok.encode(p) if args.no_chat else tok.chat_prompt_ids(p) for p in prompts]
-    res = generate(params, cfg, ids, dcfg, seed=args.seed)
+    from polestar_jax import sharding
+
+    sharding.maybe_initialize_distributed()
+    mesh = sharding.mesh_or_none(args.mesh)
+    res = generate(params, cfg, ids, dcfg, seed=args.seed, mesh=mesh)
 
     stop = {cfg.eos_token_id, cfg.pad_token_id}
     eot = tok.token_to_id("<|eot_id|>")
