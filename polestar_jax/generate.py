@@ -11,6 +11,7 @@ stderr and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional, Sequence
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every n-th block starts with a windowed pass (0: always a full pass)")
     g.add_argument("--no-suffix-commit", action="store_true", help="disable suffix pre-commit")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
+    p = ap.add_argument_group("memory planning (no weights)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print parameter, cache and compiled-step memory instead of generating")
+    p.add_argument("--model-config", help="config.json to plan for (default: the --model folder's)")
+    p.add_argument("--batch", type=int, default=1, help="batch size to plan for")
+    p.add_argument("--prompt-length", type=int, default=128, help="prompt length to plan for")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     ap.add_argument("--json", action="store_true", help="print a JSON object as the last line")
@@ -136,10 +143,34 @@ def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
     return path
 
 
+def dry_run(args, dcfg: DecodeConfig) -> int:
+    """``--dry-run``: memory plan from abstract arrays only (see :mod:`polestar_jax.plan`)."""
+    from polestar_jax.plan import plan
+    from polestar_jax.tokenizer import bundled_model_dir
+
+    path = args.model_config or args.model or bundled_model_dir()
+    cfg = ModelConfig.from_json(path)
+    if args.batch < 1 or args.prompt_length < 1:
+        raise PolestarError("--batch and --prompt-length must be >= 1")
+    if args.prompt_length + dcfg.gen_length > cfg.max_sequence_length:
+        raise PolestarError(f"prompt length {args.prompt_length} + gen length {dcfg.gen_length} exceeds "
+                            f"max_sequence_length {cfg.max_sequence_length}")
+    mp = plan(cfg, dcfg, batch=args.batch, prompt_len=args.prompt_length, dtype=args.dtype or "bfloat16")
+    print(f"plan: {path} decoder={dcfg.decoder} batch={args.batch} prompt={args.prompt_length} "
+          f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={args.dtype or 'bfloat16'}")
+    for line in mp.lines():
+        print("  " + line)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(mp)))
+    return 0
+
+
 def run(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     enable_compile_cache()
     dcfg = decode_config_from_args(args)
+    if args.dry_run:
+        return dry_run(args, dcfg)
     prompts = read_prompts(args)
 
     from polestar_jax.checkpoint import load_model

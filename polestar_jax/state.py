@@ -43,6 +43,13 @@ class DecodeState:
     polestar: Optional[Any] = None  # polestar_jax.polestar.PolestarCache for decoder "polestar"
 
 
+def seed_key_data(seed: int) -> np.ndarray:
+    """The key data of ``jax.random.PRNGKey(seed)`` (threefry: [high 32 bits, low 32 bits]) computed in
+    numpy, so states can be built under tracing (``jax.eval_shape``) too."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return np.asarray([(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF], np.uint32)
+
+
 def padded_length(lengths: Sequence[int], multiple: int) -> int:
     """Prompt slot length: the longest prompt rounded up to ``multiple`` (bucketing avoids recompiles)."""
     longest = max(lengths)
@@ -71,7 +78,7 @@ def init_state(
     idx = np.arange(length, dtype=np.int32)[None, :]
     pos = idx - pad[:, None]
     key_valid = idx >= pad[:, None]
-    rng = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s)))) for s in seeds]).astype(np.uint32)
+    rng = np.stack([seed_key_data(s) for s in seeds])
     k_cache = v_cache = None
     if cache:
         shape = (cfg.n_layers, b, cfg.n_kv_heads, length, cfg.head_dim)

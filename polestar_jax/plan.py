@@ -1,0 +1,92 @@
+"""Memory planning without weights: sizes of parameters, caches and the compiled block step.
+
+Everything is computed from abstract arrays (``jax.ShapeDtypeStruct``): the parameter pytree comes from
+``jax.eval_shape`` of :func:`polestar_jax.model.init_params`, the decode state from the same constructors
+the engine uses, and XLA compiles the block decoder for those shapes and reports its memory analysis. No
+weight is read or allocated, so the 8B configuration plans on a laptop CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from polestar_jax.config import DecodeConfig, ModelConfig
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    param_bytes: int
+    kv_bytes_per_seq: int
+    hs_bytes_per_seq: int  # Polestar's stored hidden states of the refresh rows
+    polestar_other_bytes_per_seq: int  # clusters, proxy attention, drift state
+    state_bytes: int  # the whole decode state for the batch
+    compiled: Optional[dict]  # XLA memory analysis of the block step (bytes), if compiled
+    compile_seconds: float
+    bf16: bool = False
+
+    def lines(self) -> list[str]:
+        gib = lambda n: f"{n / 2**30:.3f} GiB"
+        out = [f"parameters: {gib(self.param_bytes)} ({self.param_bytes:,} bytes)",
+               f"KV cache per sequence: {gib(self.kv_bytes_per_seq)}",
+               f"hidden states per sequence (Polestar refresh rows): {gib(self.hs_bytes_per_seq)}",
+               f"other Polestar state per sequence: {gib(self.polestar_other_bytes_per_seq)}",
+               f"decode state for the batch: {gib(self.state_bytes)}"]
+        if self.compiled:
+            out.append("compiled block step (XLA memory analysis): " + ", ".join(
+                f"{k}={gib(v)}" for k, v in self.compiled.items()))
+            out.append(f"compile time: {self.compile_seconds:.1f} s (backend: {jax.default_backend()})")
+            if jax.default_backend() == "cpu" and self.bf16:
+                out.append("note: XLA:CPU has no bf16 matmul and keeps an f32 copy of the weights in 'temp'; "
+                           "a GPU/TPU compilation does not")
+        return out
+
+
+def _nbytes(tree) -> int:
+    return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
+def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int = 128, dtype="bfloat16",
+         compile_step: bool = True) -> MemoryPlan:
+    """Plans one generation of ``batch`` prompts of ``prompt_len`` tokens."""
+    from polestar_jax import model as M
+    from polestar_jax import polestar as PS
+    from polestar_jax.state import init_state
+    from polestar_jax.step import EngineSpec, Knobs, run_block
+
+    dt = jnp.dtype(dtype)
+    params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0), dt))
+    length = prompt_len + dcfg.gen_length
+    prompts = [[0] * prompt_len] * batch
+
+    def build():
+        s = init_state(prompts, cfg, dcfg.gen_length, prompt_len, dcfg.num_blocks, list(range(batch)),
+                       cache=dcfg.cache != "none", dtype=dt)
+        if dcfg.decoder == "polestar":
+            s = s.replace(polestar=PS.init_cache(cfg, dcfg.polestar, batch, length, dcfg.block_length,
+                                                 dcfg.num_blocks, dt))
+        return s
+
+    state = jax.eval_shape(build)
+    kv = _nbytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
+    hs = other = 0
+    if state.polestar is not None:
+        hs = _nbytes(state.polestar.hs) // batch
+        other = (_nbytes(state.polestar) - _nbytes(state.polestar.hs)) // batch
+    compiled, secs = None, 0.0
+    if compile_step:
+        spec = EngineSpec.from_config(cfg, dcfg)
+        knobs = Knobs.from_config(dcfg)
+        t0 = time.perf_counter()
+        exe = jax.jit(run_block, static_argnames=("spec",)).lower(
+            params, state, jnp.int32(0), knobs, None, spec).compile()
+        secs = time.perf_counter() - t0
+        ma = exe.memory_analysis()
+        if ma is not None:
+            compiled = {k: int(getattr(ma, k + "_size_in_bytes")) for k in
+                        ("argument", "output", "temp", "generated_code") if hasattr(ma, k + "_size_in_bytes")}
+    return MemoryPlan(_nbytes(params), kv, hs, other, _nbytes(state), compiled, secs, dt == jnp.bfloat16)
