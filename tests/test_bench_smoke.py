@@ -1,0 +1,48 @@
+"""Smoke test of ``bench/bench_decoders.py``: its quick path, in-process, on an even tinier model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # ``bench`` is a top-level folder of the repo, not an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import bench_decoders as B  # noqa: E402
+
+TINY = dataclasses.replace(
+    B.QUICK, name="smoke", n_layers=1, d_model=64, n_heads=2, mlp_hidden=128, vocab=512,
+    prompt_length=16, gen_length=64, block_length=32, steps=4, peak_scale=40.0,
+    forward_warmup=1, forward_reps=1,
+    flops=False, param_init="numpy")  # fewer compiles: no unrolled cost analysis, no threefry init
+
+
+def test_bench_quick_path_tiny(tmp_path):
+    result = B.run_bench(TINY, str(tmp_path), command="test")
+    with open(tmp_path / "bench_decoders.json") as f:
+        data = json.load(f)
+    assert data["machine"]["cpu_count"] and data["machine"]["jax_version"] and data["date"]
+
+    rows = data["decoders"]
+    want = {(d, c) for d, c, _ in B.DECODERS}
+    variants = {r["variant"] for r in rows}
+    assert variants == {"random", "peaked"}
+    for v in variants:
+        vrows = [r for r in rows if r["variant"] == v]
+        assert len(vrows) == len(B.DECODERS)  # one row per decoder
+        assert {(r["decoder"], r["cache"]) for r in vrows} == want
+    min_nfe = TINY.gen_length // TINY.block_length
+    for r in rows:
+        assert r["tokens_per_s"] > 0, r
+        assert r["nfe"] >= min_nfe, r
+        assert r["all_committed"], r
+        assert abs(r["tpf"] - TINY.gen_length / r["nfe"]) < 1e-9
+    llada = [r for r in rows if r["decoder"] == "llada"]
+    assert all(r["nfe"] == TINY.steps for r in llada)  # fixed schedule: exactly `steps` forwards
+
+    kinds = {f["kind"]: f for f in data["forwards"]}
+    assert set(kinds) == {"full", "prefix_step", "dual_step"}
+    assert all(f["ms_median"] > 0 for f in kinds.values())
+    assert "| model variant | decoder | cache |" in B.markdown(result)
