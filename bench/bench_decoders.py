@@ -59,6 +59,7 @@ DECODERS: tuple[tuple[str, str, Optional[float]], ...] = (
     ("fastdllm", "none", 0.9),
     ("fastdllm", "prefix", 0.9),
     ("fastdllm", "dual", 0.9),
+    ("polestar", "dual", 0.9),
 )
 
 
@@ -188,7 +189,30 @@ def bench_decoder(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig, 
         "max_commits_per_forward": max(res.commits_per_forward(0)),
         "distinct_tokens": int(len(np.unique(tokens))),
         "all_committed": bool(np.all(tokens != cfg.mask_token_id)),
+        **({} if res.polestar is None else {
+            "refresh_steps": int(res.polestar["cluster_steps"][0].sum()),
+            "windowed_passes": int(res.polestar["efficient"][0].sum()),
+            "early_commits": int(res.polestar["early"][0]),
+            "suffix_commits": int(res.polestar["suffix"][0])}),
     }
+
+
+def gflops_per_token(row: dict, forwards: list[dict], n_blocks: int) -> Optional[float]:
+    """FLOPs per generated token from the per-forward-kind FLOPs (XLA cost analysis, or the matmul formula
+    where XLA gave none): every block starts with one full forward (Polestar's windowed passes are counted
+    as full ones, an upper bound), then the decoder's step kind."""
+    by = {f["kind"]: (f["gflops_xla"] if f["gflops_xla"] is not None else f["gflops_matmul_analytic"])
+          for f in forwards}
+    nfe = row["nfe"]
+    if row["decoder"] in ("llada",) or row["cache"] == "none":
+        total = nfe * by["full"]
+    elif row["decoder"] == "polestar":
+        refresh = row.get("refresh_steps", 0)
+        total = (n_blocks * by["full"] + (nfe - n_blocks - refresh) * by["polestar_step"]
+                 + refresh * by["polestar_refresh_step"])
+    else:
+        total = n_blocks * by["full"] + (nfe - n_blocks) * by[f"{row['cache']}_step"]
+    return total / row["generated_tokens"]
 
 
 # ---------------------------------------------------------------------------------------------- forwards
@@ -269,6 +293,23 @@ def forward_kinds(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig) 
                 q_rows = bc.block_length
                 desc = f"{bc.block_length}-row block against cached prefix+suffix ({length} keys)"
         out.append((kind, cache, fn, state, cs, q_rows, length, desc))
+    # Polestar's decode step without and with the sparse refresh (the refresh computes the block rows and
+    # every prefix/suffix window row in the same layer pass; cost does not depend on the cached values)
+    from polestar_jax import polestar as PS
+
+    dcfg = decode_config(bc, "polestar", "dual", bc.threshold)
+    pc = dcfg.polestar
+    state = init_state([prompt], cfg, bc.gen_length, bc.prompt_length, n_blocks, [bc.seed], cache=True)
+    state = state.replace(polestar=PS.init_cache(cfg, pc, 1, length, bc.block_length, n_blocks, jnp.float32))
+    cs = jnp.int32(bc.prompt_length)
+    r_rows = (pc.prefix_blocks + pc.suffix_blocks) * bc.block_length
+    for kind, refresh in (("polestar_step", False), ("polestar_refresh_step", True)):
+        fn = (lambda r: lambda p, s, c: PS.step_forward(p, s, PS.geometry(s, c, bc.block_length, pc), cfg, pc,
+                                                        bc.block_length, r, jnp.ones((1,), bool), None).logits)(refresh)
+        q_rows = bc.block_length + (r_rows if refresh else 0)
+        desc = (f"{bc.block_length}-row block" + (f" + {r_rows} refresh rows" if refresh else "")
+                + f" against the cache ({length} keys), drift" + (" + cluster proxy attention" if refresh else ""))
+        out.append((kind, "dual", fn, state, cs, q_rows, length, desc))
     return out
 
 
@@ -354,12 +395,13 @@ def markdown(result: dict) -> str:
         f"{bc['threshold']}. Variant `peaked` = LM head x{bc['peak_scale']:g}"
         + (" and zero mask-token embedding." if bc["peak_zero_mask_embedding"] else "."),
         "",
-        "| model variant | decoder | cache | NFE | TPF | tokens/s | compile s | decode s |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| model variant | decoder | cache | NFE | TPF | tokens/s | GFLOP/token | refresh steps | compile s | decode s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["decoders"]:
         lines.append(f"| {r['variant']} | {r['decoder']} | {r['cache']} | {r['nfe']} | {r['tpf']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['compile_seconds']:.2f} | {r['decode_seconds']:.2f} |")
+                     f"{r['tokens_per_s']:.1f} | {_fmt(r.get('gflops_per_token'))} | "
+                     f"{r.get('refresh_steps', '')} | {r['compile_seconds']:.2f} | {r['decode_seconds']:.2f} |")
     lines += [
         "",
         "| forward kind | query rows x keys | ms (median) | GFLOP (XLA) | GFLOP (matmul formula) | GFLOP/s |",
@@ -368,6 +410,11 @@ def markdown(result: dict) -> str:
     for f in result["forwards"]:
         lines.append(f"| {f['kind']} | {f['query_rows']} x {f['keys']} | {f['ms_median']:.1f} | "
                      f"{_fmt(f['gflops_xla'])} | {f['gflops_matmul_analytic']:.2f} | {f['gflop_per_s']:.1f} |")
+    ms = {f["kind"]: f["ms_median"] for f in result["forwards"]}
+    if "polestar_refresh_step" in ms and "dual_step" in ms:
+        lines += ["", f"Polestar refresh step / plain dual-cache step: "
+                      f"{ms['polestar_refresh_step'] / ms['dual_step']:.2f}x "
+                      f"(Polestar step without refresh: {ms['polestar_step'] / ms['dual_step']:.2f}x)"]
     return "\n".join(lines)
 
 
@@ -389,6 +436,9 @@ def run_bench(bc: BenchConfig, out_dir: Optional[str] = DEFAULT_OUT, command: st
             _log(f"  nfe={row['nfe']} tpf={row['tpf']:.2f} tokens/s={row['tokens_per_s']:.1f} "
                  f"decode={row['decode_seconds']:.2f}s compile={row['compile_seconds']:.2f}s")
             rows.append(row)
+    n_blocks = bc.gen_length // bc.block_length
+    for row in rows:
+        row["gflops_per_token"] = gflops_per_token(row, forwards, n_blocks)
 
     result = {
         "benchmark": "bench_decoders",
