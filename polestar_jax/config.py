@@ -172,6 +172,9 @@ class PolestarConfig:
                       (None disables early commit).
       suffix_precommit refreshed suffix rows (last layer's top cluster) whose prediction has confidence
                       >= threshold are committed ahead of their block.
+    Implementation:
+      kernels         "auto" (Pallas on GPU/TPU, the jnp reference on CPU), "pallas", "interpret" (the
+                      Pallas kernels in the interpreter: slow, for tests) or "reference".
     """
 
     n_clusters: int = 8
@@ -189,6 +192,7 @@ class PolestarConfig:
     gate_scale: float = 10.0
     gate_max_delta: float = 2.0
     suffix_precommit: bool = True
+    kernels: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -210,6 +214,8 @@ class PolestarConfig:
         need(self.early_threshold is None or 0.0 <= self.early_threshold <= 1.0,
              f"early_threshold must be in [0, 1] or None, got {self.early_threshold}")
         need(self.gate_scale >= 0, f"gate_scale must be >= 0, got {self.gate_scale}")
+        need(self.kernels in ("auto", "pallas", "interpret", "reference"),
+             f"kernels must be auto, pallas, interpret or reference, got {self.kernels!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,12 +261,12 @@ def _check_polestar_case(name: str, res, row: int, case: dict, method: str) -> C
 
 def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
                            progress: Callable[[CaseResult], None] = lambda r: None, batch: int = 1,
-                           mesh=None) -> list[CaseResult]:
+                           mesh=None, kernels: str = "auto") -> list[CaseResult]:
     """Replays the run files of a Polestar-format folder (see the module docstring), ``batch`` cases of
     a run file at a time."""
     import jax.numpy as jnp
 
-    from polestar_jax.config import DecodeConfig
+    from polestar_jax.config import DecodeConfig, PolestarConfig
     from polestar_jax.engine import generate
     from polestar_jax.replay import build_replay
 
@@ -279,7 +279,7 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
         method = m["method"]
         if method == "polestar":
             dcfg = DecodeConfig(decoder="polestar", cache="dual", gen_length=gen, block_length=block,
-                                steps=steps, threshold=0.9)
+                                steps=steps, threshold=0.9, polestar=PolestarConfig(kernels=kernels))
             traces = _read_json(os.path.join(folder, "traces", stem + ".trace.json"))["traces"]
         else:
             dcfg = decode_config_for_method(method, gen, block, steps)
@@ -322,7 +322,7 @@ def detect_format(folder: str) -> str:
 
 
 def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: int = 1,
-           mesh=None) -> list[CaseResult]:
+           mesh=None, kernels: str = "auto") -> list[CaseResult]:
     """Loads the model of ``folder`` and replays everything in it (float32, highest matmul precision),
     ``batch`` cases at a time."""
     import jax
@@ -334,7 +334,7 @@ def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: 
     cfg, params = load_model(folder, dtype="float32")
     if kind == "llada":
         return replay_llada_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
-    return replay_polestar_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
+    return replay_polestar_folder(folder, params, cfg, pad_multiple, progress, batch, mesh, kernels)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -350,6 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="left-pad prompts to a multiple of this (exercises the key mask; 1 = no padding)")
     ap.add_argument("--batch", type=int, default=1, help="replay this many cases at a time (mixed lengths)")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "pallas", "interpret", "reference"],
+                    help="Polestar's drift/refresh kernels (interpret: the Pallas kernels in the interpreter)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every case, not only failures")
     args = ap.parse_args(argv)
     if args.pad_multiple < 1:
@@ -375,7 +377,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             detect_format(folder)
         for folder in args.folders:
             print(f"# {folder}", flush=True)
-            res = replay(folder, args.pad_multiple, show, args.batch, mesh)
+            res = replay(folder, args.pad_multiple, show, args.batch, mesh, args.kernels)
             skipped = [r for r in res if r.status == "skip"]
             if skipped and not args.verbose:
                 reasons = sorted({r.detail for r in skipped})

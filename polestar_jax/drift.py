@@ -33,6 +33,14 @@ def token_drift(p_t: jax.Array, p_prev: jax.Array) -> jax.Array:
     return jnp.mean(jnp.maximum(kl, 0.0), axis=1)
 
 
+def proxy_queries(lp: M.LayerParams, centroids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Centroids as proxy queries: attention-normed and projected by W_q, no RoPE.
+    centroids [b, K, D] -> [b, H, K, hd]."""
+    xn = M.rms_norm(centroids, lp["attn_norm"], cfg.rms_norm_eps)
+    b, k, _ = centroids.shape
+    return (xn @ lp["wq"]).reshape(b, k, cfg.n_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+
+
 def proxy_attention(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg: ModelConfig,
                     key_valid: Optional[jax.Array]) -> jax.Array:
     """Attention of the centroids as queries against all cached keys.
@@ -40,9 +48,8 @@ def proxy_attention(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array,
     centroids [b, K, D]; k_unrot [b, KV, L, hd] (keys before RoPE); key_valid [b, L].
     Returns S [b, H, K, L] float32.
     """
-    xn = M.rms_norm(centroids, lp["attn_norm"], cfg.rms_norm_eps)
     b, k, _ = centroids.shape
-    q = (xn @ lp["wq"]).reshape(b, k, cfg.n_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+    q = proxy_queries(lp, centroids, cfg)
     kv = k_unrot.shape[1]
     qg = q.reshape(b, kv, cfg.n_heads // kv, k, cfg.head_dim)
     s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k_unrot, preferred_element_type=jnp.float32)

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--windowed-period", type=int, default=4,
                    help="every n-th block starts with a windowed pass (0: always a full pass)")
     g.add_argument("--no-suffix-commit", action="store_true", help="disable suffix pre-commit")
+    g.add_argument("--kernels", default="auto", choices=["auto", "pallas", "interpret", "reference"],
+                   help="drift/refresh kernels: auto = Pallas on GPU/TPU, jnp reference on CPU")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
     p = ap.add_argument_group("memory planning (no weights)")
     p.add_argument("--dry-run", action="store_true",
@@ -90,7 +92,8 @@ def decode_config_from_args(args) -> DecodeConfig:
         threshold = None
     early = args.early_threshold if not isinstance(args.early_threshold, str) else _threshold(args.early_threshold)
     pc = PolestarConfig(n_clusters=args.clusters, top_k=args.top_k, early_threshold=early,
-                        windowed_period=args.windowed_period, suffix_precommit=not args.no_suffix_commit)
+                        windowed_period=args.windowed_period, suffix_precommit=not args.no_suffix_commit,
+                        kernels=args.kernels)
     return DecodeConfig(decoder=decoder, cache=cache, gen_length=args.gen_length, block_length=args.block_length,
                         steps=args.steps, threshold=threshold, factor=args.factor, temperature=args.temperature,
                         remasking=args.remasking, polestar=pc)

@@ -32,6 +32,7 @@ from jax import lax
 from polestar_jax import cluster as C
 from polestar_jax import commit as R
 from polestar_jax import drift as Dr
+from polestar_jax import kernels as K
 from polestar_jax import model as M
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.state import DecodeState
@@ -346,7 +347,8 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     pre, suf = pc.prefix_blocks * block, pc.suffix_blocks * block
     b = state.x.shape[0]
     blk_pos_abs = geo.cs + jnp.arange(block)
-    ref_write = jnp.where(geo.ref_valid, geo.ref_pos[None], length)  # [b, R]
+    ref_idx = jnp.broadcast_to(geo.ref_pos, geo.ref_valid.shape).astype(jnp.int32)  # [b, R]
+    kb = pc.kernels
     if refresh:
         q_pos = jnp.concatenate([_rows_at(state.pos, blk_pos_abs), _rows_at(state.pos, geo.ref_pos)], axis=1)
     else:
@@ -365,7 +367,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
             # (every packet row, spec J8); the refresh rows' inputs are the patched states
             patch = pk_valid & (labels >= 0)
             hs_new = jnp.where(patch[..., None], pk_h, hs)
-            cent = C.shift_centroids(cent, labels, counts, patch, hs, pk_h)
+            cent = K.centroid_shift(cent, labels, counts, patch, hs, pk_h, backend=kb)
             rows = jnp.concatenate([h_blk, jnp.where(pk_valid[..., None], pk_h, hs)], axis=1)
         else:
             hs_new, rows = hs, h_blk
@@ -373,35 +375,36 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         kk = lax.dynamic_update_slice_in_dim(kcache, k[:, :, :block], geo.cs, axis=2)
         vv = lax.dynamic_update_slice_in_dim(vcache, v[:, :, :block], geo.cs, axis=2)
         if refresh:
-            widx = jnp.where(pk_valid, ref_write, length)
-            kk = _scatter_kv(kk, k[:, :, block:], widx)
-            vv = _scatter_kv(vv, v[:, :, block:], widx)
+            wvalid = pk_valid & geo.ref_valid
+            kk = K.scatter_kv_rows(kk, k[:, :, block:], ref_idx, wvalid, backend=kb)
+            vv = K.scatter_kv_rows(vv, v[:, :, block:], ref_idx, wvalid, backend=kb)
         qr = M.apply_rope(q, qc, qs)
         kr = M.apply_rope(kk, kc, ks)
-        a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)
-        p_blk = p[:, :, :block]  # the last layer's stays in the carry
+        a = M.attention(qr, kr, vv, state.key_valid)
         out = M.finish_layer(lp, rows, a, cfg)
         h_blk = out[:, :block]
         zeros_k = jnp.zeros((b, kdim), bool)
+        last_qk = (qr[:, :, :block], kr)  # the last layer's stay in the carry (token drift after the scan)
         if refresh:
-            s = Dr.proxy_attention(lp, cent, kk, cfg, state.key_valid)
-            score = Dr.cluster_drift(s, s_prev)
+            qc_ = Dr.proxy_queries(lp, cent, cfg)
+            score, s = K.kl_drift(qc_, kk, state.key_valid, s_prev, mode="cluster", backend=kb)
             score = jnp.where(jnp.arange(kdim)[None] < n_cl[:, None], score, -jnp.inf)
             m = jnp.where(li == n_layers - 1, pc.top_k_last, pc.top_k)
             own = top_clusters(score, n_cl, m)
             sel_c = jnp.where(fhas[:, None], fsel, own) & cluster_rows[:, None]
             sel = (labels >= 0) & jnp.take_along_axis(sel_c, jnp.clip(labels, 0, kdim - 1), axis=1)
             s_prev = jnp.where(cluster_rows[:, None, None, None], s, s_prev)
-            carry = (h_blk, out[:, block:], sel, p_blk)
+            carry = (h_blk, out[:, block:], sel, last_qk)
             stats = (score, sel_c, own & cluster_rows[:, None], jnp.sum(sel, axis=1).astype(jnp.int32))
         else:
-            carry = (h_blk, pk_h, pk_valid, p_blk)
+            carry = (h_blk, pk_h, pk_valid, last_qk)
             stats = (jnp.full((b, kdim), -jnp.inf), zeros_k, zeros_k, jnp.zeros((b,), jnp.int32))
         return carry, ((kk, vv, hs_new, cent, s_prev), stats)
 
     r_rows = pre + suf
-    p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
-    carry0 = (h_blk0, jnp.zeros((b, r_rows, cfg.d_model), h_blk0.dtype), jnp.zeros((b, r_rows), bool), p0)
+    dt = h_blk0.dtype
+    qk0 = (jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), dt), jnp.zeros_like(state.k_cache[0]))
+    carry0 = (h_blk0, jnp.zeros((b, r_rows, cfg.d_model), dt), jnp.zeros((b, r_rows), bool), qk0)
     if forced is None:
         fsel_all = jnp.zeros((n_layers, b, kdim), bool)
         fhas_all = jnp.zeros((n_layers, b), bool)
@@ -410,8 +413,8 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     xs = (params["blocks"], state.k_cache, state.v_cache, pol.hs, pol.labels, pol.centroids, pol.counts,
           pol.n_clusters, pol.s_prev, fsel_all, fhas_all, jnp.arange(n_layers))
     carry, ((kk, vv, hs, cent, s_prev), (score, sel_c, own, n_rows)) = lax.scan(layer, carry0, xs)
-    h_blk, pk_h, pk_valid, p_blk = carry
-    drift = Dr.token_drift(p_blk, pol.p_prev)
+    h_blk, pk_h, pk_valid, (q_last, k_last) = carry
+    drift, p_blk = K.kl_drift(q_last, k_last, state.key_valid, pol.p_prev, mode="token", backend=kb)
     logits = M.lm_head(params, h_blk, cfg)
     if refresh and suf:
         logits_suf = M.lm_head(params, pk_h[:, pre:], cfg)

@@ -128,3 +128,19 @@ def test_config_validation():
     assert PolestarConfig() == PolestarConfig(n_clusters=8, prefix_blocks=2, suffix_blocks=1, top_k=4,
                                               top_k_last=1, history=5, early_threshold=0.7,
                                               windowed_period=4)
+
+
+def test_interpret_kernels_match_reference_on_bundled_model():
+    """The Pallas kernels (in the interpreter) and the jnp references decode identically."""
+    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+
+    cfg, params = load_model(bundled_model_dir())
+    ids = load_tokenizer(bundled_model_dir()).chat_prompt_ids("Hello")
+    out = {}
+    for kind in ("reference", "interpret"):
+        dc = _pcfg(gen_length=16, block_length=8, polestar=PolestarConfig(kernels=kind))
+        out[kind] = generate(params, cfg, [ids], dc, seed=0)
+    np.testing.assert_array_equal(out["reference"].tokens, out["interpret"].tokens)
+    np.testing.assert_array_equal(out["reference"].nfe, out["interpret"].nfe)
+    assert out["reference"].block_stats(0) == out["interpret"].block_stats(0)
+    assert int(out["reference"].polestar["cluster_steps"].sum()) > 0  # the refresh path ran
