@@ -7,13 +7,5 @@
   :func:`quantize_rows` / :func:`dequantize_rows`.
 
 Every wrapper takes ``backend=`` ("auto", "pallas", "interpret", "reference"; see :mod:`.backend`).
+Import them from their modules (``polestar_jax.kernels.kl_drift``, ``.refresh``, ``.backend``).
 """
-from polestar_jax.kernels.backend import KINDS, resolve_backend
-from polestar_jax.kernels.kl_drift import kl_drift, kl_drift_reference
-from polestar_jax.kernels.refresh import (centroid_shift, centroid_shift_reference, dequantize_rows, gather_rows,
-                                          gather_rows_reference, quantize_rows, scatter_kv_rows,
-                                          scatter_kv_rows_reference, scatter_rows, scatter_rows_reference)
-
-__all__ = ["KINDS", "resolve_backend", "kl_drift", "kl_drift_reference", "gather_rows", "gather_rows_reference",
-           "scatter_rows", "scatter_rows_reference", "scatter_kv_rows", "scatter_kv_rows_reference",
-           "centroid_shift", "centroid_shift_reference", "quantize_rows", "dequantize_rows"]

@@ -32,9 +32,10 @@ from jax import lax
 from polestar_jax import cluster as C
 from polestar_jax import commit as R
 from polestar_jax import drift as Dr
-from polestar_jax import kernels as K
 from polestar_jax import model as M
 from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.kernels.kl_drift import kl_drift
+from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
 from polestar_jax.state import DecodeState
 
 _LAYER_MAJOR = ("hs", "labels", "centroids", "counts", "n_clusters", "s_prev")
@@ -367,7 +368,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
             # (every packet row, spec J8); the refresh rows' inputs are the patched states
             patch = pk_valid & (labels >= 0)
             hs_new = jnp.where(patch[..., None], pk_h, hs)
-            cent = K.centroid_shift(cent, labels, counts, patch, hs, pk_h, backend=kb)
+            cent = centroid_shift(cent, labels, counts, patch, hs, pk_h, backend=kb)
             rows = jnp.concatenate([h_blk, jnp.where(pk_valid[..., None], pk_h, hs)], axis=1)
         else:
             hs_new, rows = hs, h_blk
@@ -376,8 +377,8 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         vv = lax.dynamic_update_slice_in_dim(vcache, v[:, :, :block], geo.cs, axis=2)
         if refresh:
             wvalid = pk_valid & geo.ref_valid
-            kk = K.scatter_kv_rows(kk, k[:, :, block:], ref_idx, wvalid, backend=kb)
-            vv = K.scatter_kv_rows(vv, v[:, :, block:], ref_idx, wvalid, backend=kb)
+            kk = scatter_kv_rows(kk, k[:, :, block:], ref_idx, wvalid, backend=kb)
+            vv = scatter_kv_rows(vv, v[:, :, block:], ref_idx, wvalid, backend=kb)
         qr = M.apply_rope(q, qc, qs)
         kr = M.apply_rope(kk, kc, ks)
         a = M.attention(qr, kr, vv, state.key_valid)
@@ -387,7 +388,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         last_qk = (qr[:, :, :block], kr)  # the last layer's stay in the carry (token drift after the scan)
         if refresh:
             qc_ = Dr.proxy_queries(lp, cent, cfg)
-            score, s = K.kl_drift(qc_, kk, state.key_valid, s_prev, mode="cluster", backend=kb)
+            score, s = kl_drift(qc_, kk, state.key_valid, s_prev, mode="cluster", backend=kb)
             score = jnp.where(jnp.arange(kdim)[None] < n_cl[:, None], score, -jnp.inf)
             m = jnp.where(li == n_layers - 1, pc.top_k_last, pc.top_k)
             own = top_clusters(score, n_cl, m)
@@ -414,7 +415,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
           pol.n_clusters, pol.s_prev, fsel_all, fhas_all, jnp.arange(n_layers))
     carry, ((kk, vv, hs, cent, s_prev), (score, sel_c, own, n_rows)) = lax.scan(layer, carry0, xs)
     h_blk, pk_h, pk_valid, (q_last, k_last) = carry
-    drift, p_blk = K.kl_drift(q_last, k_last, state.key_valid, pol.p_prev, mode="token", backend=kb)
+    drift, p_blk = kl_drift(q_last, k_last, state.key_valid, pol.p_prev, mode="token", backend=kb)
     logits = M.lm_head(params, h_blk, cfg)
     if refresh and suf:
         logits_suf = M.lm_head(params, pk_h[:, pre:], cfg)

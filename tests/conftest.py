@@ -19,6 +19,7 @@ import pytest
 # Golden comparisons are made in float32 with exact matmuls (set before anything compiles).
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# (The cache key includes the cache folder path, so subprocesses must get this same path.)
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _CACHE_DIR = tempfile.mkdtemp(prefix="polestar_jax_test_cc_")
     atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
@@ -51,6 +52,39 @@ def tiny_a_cases() -> dict:
     """The parsed ``tests/data/llada_tiny_a/cases.json``."""
     with open(TINY_A_DIR / "cases.json") as f:
         return json.load(f)
+
+
+GOLDEN_SLOT = 48  # one prompt slot for every golden generation (prompts of 12 / 25 / 41 tokens)
+_FUNCTIONS = {  # reference function -> (decoder, cache)
+    "llada.generate": ("llada", "none"),
+    "fastdllm.generate": ("fastdllm", "none"),
+    "fastdllm.generate_with_prefix_cache": ("fastdllm", "prefix"),
+    "fastdllm.generate_with_dual_cache": ("fastdllm", "dual"),
+}
+
+
+def golden_decode_config(case: dict):
+    """The :class:`DecodeConfig` of one ``generate_cases`` entry (written here, independent of crosscheck)."""
+    from polestar_jax.config import DecodeConfig
+
+    s = case["settings"]
+    assert s.get("temperature", 0.0) == 0.0 and s.get("remasking", "low_confidence") == "low_confidence"
+    decoder, cache = _FUNCTIONS[case["function"]]
+    return DecodeConfig(decoder=decoder, cache=cache, gen_length=s["gen_length"], block_length=s["block_length"],
+                        steps=s["steps"], threshold=s.get("threshold"))
+
+
+@pytest.fixture(scope="session")
+def tiny_a_generations(tiny_a, tiny_a_cases) -> dict:
+    """Case name -> :class:`GenerateResult` of every golden generate case, all at prompt slot 48 (21 executables).
+
+    Run once per session; it also fills the session's compile cache, so a later
+    ``python -m polestar_jax.crosscheck`` subprocess (same shapes) does not compile again."""
+    from polestar_jax.engine import generate
+
+    cfg, params = tiny_a
+    return {c["name"]: generate(params, cfg, [c["prompt_ids"]], golden_decode_config(c), prompt_slot=GOLDEN_SLOT)
+            for c in tiny_a_cases["generate_cases"]}
 
 
 @pytest.fixture(scope="session")

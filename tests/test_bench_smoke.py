@@ -43,6 +43,10 @@ def test_bench_quick_path_tiny(tmp_path):
     assert all(r["nfe"] == TINY.steps for r in llada)  # fixed schedule: exactly `steps` forwards
 
     kinds = {f["kind"]: f for f in data["forwards"]}
-    assert set(kinds) == {"full", "prefix_step", "dual_step"}
+    assert set(kinds) == {"full", "prefix_step", "dual_step", "polestar_step", "polestar_refresh_step"}
+    # a refresh step computes more rows than a plain step
+    assert kinds["polestar_refresh_step"]["query_rows"] > kinds["polestar_step"]["query_rows"]
+    assert all(r["gflops_per_token"] > 0 for r in rows)
+    assert "refresh step / plain dual-cache step" in B.markdown(result)
     assert all(f["ms_median"] > 0 for f in kinds.values())
     assert "| model variant | decoder | cache |" in B.markdown(result)

@@ -1,0 +1,548 @@
+"""Trains the tiny LLaDA of issue #6 on the synthetic tasks of :mod:`bench.tasks` (CPU, optax, orbax).
+
+Objective: LLaDA's SFT loss. Per example ``t ~ U(eps, 1)``; each answer token (the answer padded with EOS to
+the generation length ``G``; the EOS padding is part of the answer) is replaced by the mask token with
+probability ``t``; the prompt is never masked. The loss is the cross-entropy on the masked answer tokens
+weighted by ``1/t``, summed and divided by the number of answer tokens ``G``, averaged over the batch.
+
+Row layout (prompt LEFT-aligned): ``[chat prompt ids][answer ids + EOS * (G - len)][pad]``; the pad is hidden
+from attention with ``key_valid``; RoPE positions are ``0..`` per row. This is what
+:func:`polestar_jax.engine.generate` sees at inference (it left-pads prompts but starts every row's
+positions at its first real token and hides the padding), so a trained row and a decoded row look alike.
+
+Tokenizer: the byte-level tokenizer of the bundled model folder (``polestar_jax/assets/tiny_random``:
+ids 0..255 = bytes, then ``<|startoftext|>``, ``<|endoftext|>`` (EOS = pad), the chat header tokens,
+``<|eot_id|>``, ``<|mdm_mask|>``); prompts are the chat-template rendering of the task prompt
+(:meth:`polestar_jax.tokenizer.Tokenizer.chat_prompt_ids`).
+
+Checkpoints: an orbax ``CheckpointManager`` in ``--out`` holds the params, optimizer state and step
+(``state``) and a JSON item (``meta``: the numpy data-RNG state, the training configuration, the
+accumulated training time and the log history), every ``--save-every`` steps and at the end of each run.
+A run is reproducible from ``--seed``: the data stream is ``numpy.random.default_rng(seed)`` and the
+masking noise of step ``s`` is ``fold_in(PRNGKey(seed), s)``; an interrupted and resumed run gives the
+same losses as an uninterrupted one.
+
+Usage::
+
+    # train (or continue with --resume) up to --steps, at most --max-minutes in this piece
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \\
+      taskset -c 1 python -m bench.train_tiny --out /tmp/tiny_ckpt --steps 6000 [--resume] [--max-minutes 80]
+    # export the latest checkpoint as an HF folder (+ final evaluation in its README)
+    python -m bench.train_tiny --out /tmp/tiny_ckpt --resume --steps 6000 --export polestar_jax/assets/tiny_tasks
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import tasks as T  # noqa: E402
+from polestar_jax import model as M  # noqa: E402
+from polestar_jax.checkpoint import param_shapes  # noqa: E402
+from polestar_jax.config import DecodeConfig, ModelConfig  # noqa: E402
+from polestar_jax.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer  # noqa: E402
+
+__all__ = ["TrainConfig", "model_config", "make_batch", "make_optimizer", "make_train_step", "train",
+           "evaluate", "export", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (saved in the checkpoint; a resume must match it, except
+    ``steps`` which may be raised to continue training)."""
+
+    seed: int = 0
+    steps: int = 6000
+    batch: int = 64
+    gen_length: int = 48
+    block_length: int = 16
+    prompt_slot: int = 72  # longest chat prompt in tokens (rows are prompt_slot + gen_length long)
+    # model
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    mlp_hidden: int = 352
+    max_sequence_length: int = 256
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    # optimizer
+    lr: float = 1e-3
+    warmup: int = 200
+    end_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    b2: float = 0.98
+    clip: float = 1.0
+    eps: float = 1e-3  # t ~ U(eps, 1)
+    # data
+    tasks: tuple[str, ...] = T.TASK_NAMES
+    task_weights: Optional[tuple[float, ...]] = None  # None: uniform
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tasks"] = list(self.tasks)
+        d["task_weights"] = None if self.task_weights is None else list(self.task_weights)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["tasks"] = tuple(d["tasks"])
+        if d.get("task_weights") is not None:
+            d["task_weights"] = tuple(d["task_weights"])
+        return cls(**d)
+
+
+def model_config(tc: TrainConfig, tok: Tokenizer) -> ModelConfig:
+    v = tok.vocab_size
+    cfg = ModelConfig(d_model=tc.d_model, n_heads=tc.n_heads, n_kv_heads=tc.n_heads, n_layers=tc.n_layers,
+                      mlp_hidden_size=tc.mlp_hidden, vocab_size=v, embedding_size=v,
+                      mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                      max_sequence_length=tc.max_sequence_length, rope_theta=tc.rope_theta)
+    cfg.validate("tiny_tasks")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+@functools.lru_cache(maxsize=None)
+def _chat_affixes(tok: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefix, suffix) ids of the chat template around a user text (checked against the template)."""
+    marker = "\x00"
+    ids = tok.chat_prompt_ids(marker)
+    i = ids.index(0)
+    pre, suf = tuple(ids[:i]), tuple(ids[i + 1:])
+    probe = "copy: ann,bob"
+    assert list(pre) + tok.encode(probe) + list(suf) == tok.chat_prompt_ids(probe)
+    return pre, suf
+
+
+def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """Chat-template prompt ids of a task prompt (same as ``tok.chat_prompt_ids(prompt)``, faster)."""
+    pre, suf = _chat_affixes(tok)
+    return [*pre, *prompt.encode("utf-8"), *suf]
+
+
+def make_batch(rng: np.random.Generator, tc: TrainConfig, tok: Tokenizer) -> tuple[dict, list[tuple[str, str, str]]]:
+    """One training batch (numpy) drawn from ``rng`` and the (task, prompt, answer) of each row.
+
+    ids [b, L] int32 (answer region holds the clean answer + EOS padding; pad = EOS elsewhere),
+    valid [b, L] bool (key_valid), start [b] int32 (index of the first answer token).
+    """
+    b, G, P = tc.batch, tc.gen_length, tc.prompt_slot
+    L = P + G
+    eos = tok.eos_token_id
+    ids = np.full((b, L), eos, np.int32)
+    valid = np.zeros((b, L), bool)
+    start = np.zeros((b,), np.int32)
+    rows = []
+    for r in range(b):
+        task, prompt, answer = T.sample_task(rng, tc.tasks, tc.task_weights)
+        p = prompt_ids(tok, prompt)
+        a = list(answer.encode("utf-8"))
+        if len(p) > P or len(a) > G:
+            raise ValueError(f"instance too long for the layout (prompt {len(p)} > {P} or answer {len(a)} > {G})")
+        n = len(p)
+        ids[r, :n] = p
+        ids[r, n:n + len(a)] = a
+        valid[r, :n + G] = True
+        start[r] = n
+        rows.append((task, prompt, answer))
+    return {"ids": ids, "valid": valid, "start": start}, rows
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, max(1, tc.warmup), max(tc.steps, tc.warmup + 1),
+                                               end_value=tc.lr * tc.end_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(tc.clip),
+                       optax.adamw(sched, b1=0.9, b2=tc.b2, weight_decay=tc.weight_decay))
+
+
+def init_params(tc: TrainConfig, mcfg: ModelConfig) -> dict:
+    """Initial parameters from ``numpy.random.default_rng(seed)`` in the layout of ``polestar_jax.model``:
+    normal with std ``init_std`` for linear layers, 1 for the embedding, ones for the norms (numpy, so no
+    compilation is spent on initialisation)."""
+    shapes = param_shapes(mcfg)
+    rng = np.random.default_rng([tc.seed, 0x1A1DA])
+
+    def make(path, shape):
+        name = path[-1].key
+        if name in ("attn_norm", "ff_norm", "ln_f"):
+            return jnp.ones(shape, jnp.float32)
+        std = 1.0 if name == "wte" else tc.init_std
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+
+    return jax.tree_util.tree_map_with_path(make, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_state(tc: TrainConfig, mcfg: ModelConfig) -> dict:
+    """Fresh params (:func:`init_params`), optimizer state (zeros) and step 0."""
+    params = init_params(tc, mcfg)
+    opt_shapes = jax.eval_shape(make_optimizer(tc).init, params)
+    opt_state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), opt_shapes)
+    return {"params": params, "opt_state": opt_state, "step": jnp.int32(0)}
+
+
+def loss_fn(params, batch: dict, key: jax.Array, mcfg: ModelConfig, G: int, eps: float):
+    """LLaDA SFT loss (scalar) and the per-row loss [b]."""
+    ids, valid, start = batch["ids"], batch["valid"], batch["start"]
+    b, L = ids.shape
+    k_t, k_m = jax.random.split(key)
+    t = (1.0 - eps) * jax.random.uniform(k_t, (b,)) + eps  # [b]
+    masked = jax.random.uniform(k_m, (b, G)) < t[:, None]  # [b, G] over the answer region
+    ans_idx = start[:, None] + jnp.arange(G, dtype=jnp.int32)[None]  # [b, G]
+    answer = jnp.take_along_axis(ids, ans_idx, axis=1)
+    rows = jnp.arange(b)[:, None]
+    noisy = ids.at[rows, ans_idx].set(jnp.where(masked, mcfg.mask_token_id, answer))
+    pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (b, L))
+    h = M.forward(params, noisy, mcfg, pos, pos, valid).h  # [b, L, D]
+    h_ans = jnp.take_along_axis(h, ans_idx[..., None], axis=1)  # [b, G, D]
+    logits = M.lm_head(params, h_ans, mcfg)  # [b, G, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.take_along_axis(logp, answer[..., None], axis=-1)[..., 0]  # [b, G]
+    row = jnp.sum(jnp.where(masked, ce, 0.0), axis=1) / t / G  # [b]
+    return jnp.mean(row), row
+
+
+@functools.lru_cache(maxsize=8)
+def make_train_step(tc: TrainConfig, mcfg: ModelConfig):
+    """The jitted ``step(state, batch) -> (state, loss, row_loss, grad_norm)`` of this configuration."""
+    tx = make_optimizer(tc)
+    base_key = jax.random.PRNGKey(tc.seed)
+
+    def step(state, batch):
+        key = jax.random.fold_in(jax.random.fold_in(base_key, 1), state["step"])
+        (loss, row), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], batch, key, mcfg, tc.gen_length, tc.eps)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        return new, loss, row, optax.tree.norm(grads)
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+# ------------------------------------------------------------------------------------------------ eval
+
+def evaluate(params, mcfg: ModelConfig, tok: Tokenizer, n_per_task: int, tc: TrainConfig,
+             tasks: Optional[Sequence[str]] = None, eval_batch: int = 144, start: int = 0,
+             return_outputs: bool = False):
+    """Exact match per task on evaluation instances ``start..start+n-1`` (held-out seeds) with the
+    one-token-per-step sampler (``llada``, ``steps = gen_length``, block ``block_length``)."""
+    from polestar_jax.engine import generate
+
+    tasks = tuple(tasks or tc.tasks)
+    items = [(task, p, a) for task in tasks for p, a in T.eval_instances(task, n_per_task, start)]
+    dcfg = DecodeConfig(decoder="llada", cache="none", gen_length=tc.gen_length,
+                        block_length=tc.block_length, steps=tc.gen_length, threshold=None)
+    slot = -(-tc.prompt_slot // 16) * 16
+    outputs: list[str] = []
+    eval_batch = min(eval_batch, len(items))
+    for i in range(0, len(items), eval_batch):
+        chunk = items[i:i + eval_batch]
+        prompts = [prompt_ids(tok, p) for _, p, _ in chunk]
+        prompts += [prompts[0]] * (eval_batch - len(prompts))  # one shape: one compiled executable
+        res = generate(params, mcfg, prompts, dcfg, seed=0, prompt_slot=slot)
+        outputs += [T.decode_answer(tok, res.tokens[r]) for r in range(len(chunk))]
+    hits: dict[str, list[bool]] = defaultdict(list)
+    for (task, p, _), out in zip(items, outputs):
+        hits[task].append(T.score(task, p, out))
+    acc = {task: float(np.mean(hits[task])) for task in tasks}
+    if return_outputs:
+        return acc, list(zip(items, outputs))
+    return acc
+
+
+# ------------------------------------------------------------------------------------------------ ckpt
+
+def _ckpt_manager(out: str):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(os.path.abspath(out), options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, create=True, enable_async_checkpointing=False))
+
+
+def _rng_state_to_json(rng: np.random.Generator) -> dict:
+    return json.loads(json.dumps(rng.bit_generator.state, default=str), parse_int=str)
+
+
+def _rng_from_json(d: dict) -> np.random.Generator:
+    st = d
+    rng = np.random.default_rng()
+    rng.bit_generator.state = {"bit_generator": st["bit_generator"],
+                               "state": {k: int(v) for k, v in st["state"].items()},
+                               "has_uint32": int(st["has_uint32"]), "uinteger": int(st["uinteger"])}
+    return rng
+
+
+def save(mngr, state: dict, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    step = int(state["step"])
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+              force=True)
+    mngr.wait_until_finished()
+
+
+def restore(mngr, like_state: dict, step: Optional[int] = None) -> tuple[dict, dict]:
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step() if step is None else step
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
+    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                     meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+def _log(msg: str, log=None) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if log is not None:
+        log.write(line + "\n")
+        log.flush()
+
+
+def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional[float] = None,
+          save_every: int = 250, eval_every: int = 500, eval_n: int = 32, log_every: int = 25,
+          command: Optional[str] = None, stop_at: Optional[int] = None, verbose: bool = True) -> dict:
+    """Trains up to ``tc.steps`` (or ``stop_at``, for tests: stop and save there). Returns a dict with
+    ``state`` (params, opt_state, step), ``meta`` (as saved) and ``losses`` ({step: loss} of this run)."""
+    tok = load_tokenizer(bundled_model_dir())
+    mcfg = model_config(tc, tok)
+    mngr = _ckpt_manager(out)
+    state = init_state(tc, mcfg)
+    if mngr.latest_step() is not None:
+        if not resume:
+            raise SystemExit(f"{out} already holds a checkpoint (step {mngr.latest_step()}); pass --resume "
+                             f"to continue it or choose another --out")
+        state, meta = restore(mngr, state)
+        # as fresh (uncommitted) arrays, so the compiled step of a fresh start is reused
+        state = jax.tree.map(jnp.asarray, jax.device_get(state))
+        saved = TrainConfig.from_json(meta["train_config"])
+        if dataclasses.replace(saved, steps=tc.steps) != tc:
+            diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
+                    if k != "steps" and v != getattr(tc, k)}
+            raise SystemExit(f"--resume: the configuration differs from the checkpoint's: {diff}")
+        rng = _rng_from_json(meta["rng_state"])
+        meta["train_config"] = tc.to_json()
+    else:
+        rng = T.train_rng(tc.seed)
+        meta = {"train_config": tc.to_json(), "train_seconds": 0.0, "history": [], "evals": [], "commands": []}
+    meta["commands"].append(command or "")
+    step_fn = make_train_step(tc, mcfg)
+    stop = tc.steps if stop_at is None else min(stop_at, tc.steps)
+    step = int(state["step"])
+    say = (lambda m: _log(m)) if verbose else (lambda m: None)
+    if step > 0:
+        say(f"resumed from {out} at step {step} (trained {meta['train_seconds'] / 60:.1f} min so far)")
+    say(f"model: {M.__name__} {tc.n_layers}L d{tc.d_model} h{tc.n_heads} mlp{tc.mlp_hidden} vocab {mcfg.vocab_size}, "
+        f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} params; batch {tc.batch}, "
+        f"rows {tc.prompt_slot}+{tc.gen_length}; steps {step} -> {stop}")
+    losses: dict[int, float] = {}
+    pending = []  # (step, loss, row, gnorm, tasks) device values not yet read
+    t_run = time.perf_counter()
+    t_last, n_last = t_run, step
+    secs0 = meta["train_seconds"]
+
+    def flush():
+        nonlocal pending
+        if not pending:
+            return
+        vals = jax.device_get([(l, r, g) for _, l, r, g, _ in pending])
+        by_task: dict[str, list[float]] = defaultdict(list)
+        for (s, _, _, _, names), (l, r, g) in zip(pending, vals):
+            losses[s] = float(l)
+            for name, x in zip(names, r):
+                by_task[name].append(float(x))
+        ls = [float(v[0]) for v in vals]
+        gs = [float(v[2]) for v in vals]
+        rec = {"step": pending[-1][0] + 1, "loss": float(np.mean(ls)), "grad_norm": float(np.mean(gs)),
+               "task_loss": {k: round(float(np.mean(v)), 4) for k, v in sorted(by_task.items())}}
+        pending = []
+        return rec
+
+    while step < stop:
+        batch, rows = make_batch(rng, tc, tok)
+        state, loss, row, gnorm = step_fn(state, batch)
+        pending.append((step, loss, row, gnorm, [r[0] for r in rows]))
+        step += 1
+        elapsed = time.perf_counter() - t_run
+        out_of_time = max_minutes is not None and elapsed > 60 * max_minutes
+        if step % log_every == 0 or step == stop or out_of_time or step % save_every == 0:
+            rec = flush()
+            now = time.perf_counter()
+            rec["s_per_step"] = round((now - t_last) / max(1, step - n_last), 4)
+            t_last, n_last = now, step
+            rec["minutes"] = round((secs0 + now - t_run) / 60, 2)
+            meta["history"].append(rec)
+            tl = " ".join(f"{k}={v:.3f}" for k, v in rec["task_loss"].items())
+            say(f"step {step:6d} loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.2f} "
+                f"{rec['s_per_step']:.3f}s/step {rec['minutes']:.1f}min | {tl}")
+        if eval_every and (step % eval_every == 0 or step == stop) and eval_n > 0:
+            t0 = time.perf_counter()
+            acc = evaluate(state["params"], mcfg, tok, eval_n, tc)
+            meta["evals"].append({"step": step, "n_per_task": eval_n, "acc": acc})
+            say(f"eval step {step} ({eval_n}/task, {time.perf_counter() - t0:.0f}s): "
+                + " ".join(f"{k}={v:.2f}" for k, v in acc.items()))
+            t_last = time.perf_counter()  # s/step excludes evaluation
+        if step % save_every == 0 or step == stop or out_of_time:
+            meta["train_seconds"] = secs0 + (time.perf_counter() - t_run)
+            meta["rng_state"] = _rng_state_to_json(rng)
+            save(mngr, state, meta)
+            say(f"saved step {step} to {out}")
+            t_last = time.perf_counter()
+        if out_of_time:
+            say(f"stopping after {max_minutes} minutes at step {step}; continue with --resume")
+            break
+    if pending:
+        flush()
+    if (mngr.latest_step() or 0) < step:
+        meta["train_seconds"] = secs0 + (time.perf_counter() - t_run)
+        meta["rng_state"] = _rng_state_to_json(rng)
+        save(mngr, state, meta)
+    mngr.close()
+    return {"state": state, "meta": meta, "losses": losses, "mcfg": mcfg, "tok": tok}
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+def export(result: dict, tc: TrainConfig, out_dir: str, eval_n: int = 200) -> dict:
+    """Writes the HF folder ``out_dir`` and evaluates the model loaded back from it."""
+    from polestar_jax.checkpoint import copy_aux_files, export_hf, load_model
+
+    mcfg, tok, meta = result["mcfg"], result["tok"], result["meta"]
+    params = result["state"]["params"]
+    os.makedirs(out_dir, exist_ok=True)
+    export_hf(out_dir, mcfg, jax.device_get(params), extra_config={"bos_token_id": tok.bos_token_id})
+    copy_aux_files(bundled_model_dir(), out_dir,
+                   names=("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                          "generation_config.json"))
+    tc_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(tc_path) as f:
+        tcfg = json.load(f)
+    tcfg["model_max_length"] = mcfg.max_sequence_length
+    with open(tc_path, "w") as f:
+        json.dump(tcfg, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+    cfg2, params2 = load_model(out_dir)
+    tok2 = load_tokenizer(out_dir)
+    assert cfg2 == mcfg, (cfg2, mcfg)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    t0 = time.perf_counter()
+    acc = evaluate(params2, cfg2, tok2, eval_n, tc)
+    eval_s = time.perf_counter() - t0
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(_readme(tc, mcfg, meta, acc, eval_n, eval_s, int(result["state"]["step"]),
+                        sum(x.size for x in jax.tree.leaves(params))))
+    return acc
+
+
+def _readme(tc: TrainConfig, mcfg: ModelConfig, meta: dict, acc: dict, eval_n: int, eval_s: float,
+            step: int, n_params: int) -> str:
+    cmds = "\n".join(c for c in meta.get("commands", []) if c)
+    rows = "\n".join(f"| {k} | {acc[k] * 100:.1f}% | {T.TASKS[k].doc} |" for k in acc)
+    last = meta["history"][-1] if meta.get("history") else {}
+    return f"""# tiny_tasks: a tiny LLaDA trained on synthetic list and arithmetic tasks
+
+A {tc.n_layers}-layer LLaDA-architecture model (d_model {tc.d_model}, {tc.n_heads} heads, MLP {tc.mlp_hidden},
+{n_params:,} float32 parameters) with the byte-level tokenizer and LLaDA chat template of `tiny_random`,
+trained from scratch on CPU by `bench/train_tiny.py` with LLaDA's SFT objective on the tasks of
+`bench/tasks` (issue #6). It is the test bed for decoder accuracy versus speed.
+
+* Generation length **{tc.gen_length}** (answers padded with `<|endoftext|>`), block length {tc.block_length}.
+  Decode with `--gen-length {tc.gen_length} --block-length {tc.block_length}`; other lengths were never trained.
+* Prompts: the chat-template rendering of a task prompt (e.g. `reverse: bob,eve,tom`); the answer is the
+  text before the first `<|endoftext|>` (`bench.tasks.decode_answer`).
+* Training: {step} steps of batch {tc.batch}, AdamW (peak lr {tc.lr}, warmup {tc.warmup}, cosine to
+  {tc.lr * tc.end_lr_ratio:g}, weight decay {tc.weight_decay}, clip {tc.clip}), seed {tc.seed},
+  tasks mixed {'uniformly' if tc.task_weights is None else f'with weights {list(tc.task_weights)}'};
+  {meta.get('train_seconds', 0) / 60:.0f} minutes of training on one CPU core; final training loss
+  {last.get('loss', float('nan')):.4f}.
+
+Command(s):
+
+```
+{cmds}
+```
+
+## Accuracy
+
+Exact match on {eval_n} held-out instances per task (evaluation seeds >= {T.EVAL_SEED_BASE:,}, never trained on),
+with the one-token-per-step sampler (`decoder=llada`, steps = gen length = {tc.gen_length}, block {tc.block_length}),
+evaluated on the exported folder ({eval_s:.0f} s):
+
+| task | exact match | |
+|---|---|---|
+{rows}
+
+Task formats are documented in `bench/tasks/__init__.py`.
+"""
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="checkpoint folder (orbax CheckpointManager)")
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps, help="total training steps (default %(default)s)")
+    ap.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=TrainConfig.batch)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--warmup", type=int, default=TrainConfig.warmup)
+    ap.add_argument("--gen-length", type=int, default=TrainConfig.gen_length)
+    ap.add_argument("--task-weights", default=None,
+                    help="comma-separated task=weight (others 1), e.g. reverse=2,add=1.5")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this many minutes")
+    ap.add_argument("--save-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--eval-n", type=int, default=32, help="held-out instances per task for periodic evals")
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--export", default=None, help="after training, write an HF model folder here")
+    ap.add_argument("--export-eval-n", type=int, default=200)
+    args = ap.parse_args(argv)
+
+    weights = None
+    if args.task_weights:
+        w = dict.fromkeys(T.TASK_NAMES, 1.0)
+        for item in args.task_weights.split(","):
+            k, v = item.split("=")
+            if k not in w:
+                raise SystemExit(f"unknown task {k!r}")
+            w[k] = float(v)
+        weights = tuple(w[k] for k in T.TASK_NAMES)
+    tc = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
+                     gen_length=args.gen_length, task_weights=weights)
+    command = "python -m bench.train_tiny " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    res = train(tc, args.out, resume=args.resume, max_minutes=args.max_minutes, save_every=args.save_every,
+                eval_every=args.eval_every, eval_n=args.eval_n, log_every=args.log_every, command=command)
+    if args.export:
+        if int(res["state"]["step"]) < tc.steps:
+            _log(f"note: exporting at step {int(res['state']['step'])} < --steps {tc.steps}")
+        acc = export(res, tc, args.export, args.export_eval_n)
+        _log(f"exported to {args.export}: " + " ".join(f"{k}={v:.3f}" for k, v in acc.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The command lines: ``python -m polestar_jax.generate`` and ``python -m polestar_jax.crosscheck``.
+
+Subprocesses pay the JAX import and their own compiles, so only a few run as subprocesses; the bad-input matrix
+runs in-process through ``main()`` (the same code path after argument parsing) plus three subprocess spot checks.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from polestar_jax import crosscheck
+from polestar_jax import generate as gen_cli
+from polestar_jax.tokenizer import bundled_model_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_A_DIR = Path(__file__).parent / "data" / "llada_tiny_a"
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def env(subprocess_env) -> dict:
+    cache = jax.config.jax_compilation_cache_dir
+    return dict(subprocess_env, POLESTAR_JAX_CACHE=cache or "off")
+
+
+@pytest.fixture(autouse=True)
+def _cli_cache(monkeypatch):
+    """In-process ``main()`` calls keep using this session's compile cache (never the user's)."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+
+
+def _run(env: dict, module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def _assert_one_error_line(code, out: str, err: str) -> None:
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:"), err
+    assert "Traceback" not in err and "Traceback" not in out
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = gen_cli.main(argv)
+    except SystemExit as e:  # argparse errors exit from inside main()
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def test_generate_json(env):
+    # --decoder fastdllm: the default decoder (polestar) compiles for ~20 s; its own tests cover it
+    r = _run(env, "polestar_jax.generate", "--prompt", "Hello", "--gen-length", "32", "--block-length", "8",
+             "--json", "--decoder", "fastdllm")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"text", "token_ids", "nfe", "tpf", "tps"} <= set(last)
+    assert isinstance(last["text"], str)
+    assert len(last["token_ids"]) == 32 and all(isinstance(t, int) for t in last["token_ids"])
+    assert isinstance(last["nfe"], int) and 4 <= last["nfe"] <= 32 + 2 * 4
+    assert last["tpf"] > 0 and last["tps"] >= 0
+
+
+@pytest.fixture(scope="module")
+def bad_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_models")
+    out = {}
+    d = root / "corrupt"  # a truncated model.safetensors
+    d.mkdir()
+    shutil.copy(TINY_A_DIR / "config.json", d / "config.json")
+    data = (TINY_A_DIR / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out["corrupt"] = d
+    d = root / "arch"  # another architecture
+    d.mkdir()
+    config = json.loads((TINY_A_DIR / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(config, model_type="llama", block_type="sequential")))
+    shutil.copy(TINY_A_DIR / "model.safetensors", d / "model.safetensors")
+    out["arch"] = d
+    d = root / "tiny_a_tok"  # tiny_a (max_sequence_length 512) with the bundled byte-level tokenizer
+    d.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(TINY_A_DIR / name, d / name)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(Path(bundled_model_dir()) / name, d / name)
+    out["tiny_a_tok"] = d
+    out["missing"] = root / "does_not_exist"
+    return out
+
+
+BAD_INPUTS = {  # name -> (argv builder, expected message part)
+    "missing_model": (lambda f: ["--model", str(f["missing"]), "--prompt", "Hi"], "not found"),
+    "corrupt_safetensors": (lambda f: ["--model", str(f["corrupt"]), "--prompt", "Hi"], "safetensors"),
+    "other_architecture": (lambda f: ["--model", str(f["arch"]), "--prompt", "Hi"], "llama"),
+    "gen_not_multiple_of_block": (lambda f: ["--prompt", "Hi", "--gen-length", "30", "--block-length", "8"],
+                                  "multiple"),
+    "steps_not_divisible": (lambda f: ["--prompt", "Hi", "--gen-length", "32", "--block-length", "8",
+                                       "--steps", "30"], "steps"),
+    "prompt_too_long": (lambda f: ["--model", str(f["tiny_a_tok"]), "--no-chat", "--prompt", "x" * 600,
+                                   "--gen-length", "32", "--block-length", "8"], "max_sequence_length"),
+    "empty_prompt": (lambda f: ["--prompt", ""], "empty"),
+    "blank_prompt": (lambda f: ["--prompt", "   "], "empty"),
+    "no_prompt": (lambda f: [], "prompt"),
+    "unknown_decoder": (lambda f: ["--prompt", "Hi", "--decoder", "bogus"], "--decoder"),
+    "bad_threshold": (lambda f: ["--prompt", "Hi", "--threshold", "high"], "threshold"),
+    "threshold_out_of_range": (lambda f: ["--prompt", "Hi", "--threshold", "1.5"], "threshold"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_generate_bad_input_in_process(name, bad_folders, capsys):
+    argv, part = BAD_INPUTS[name]
+    code, out, err = _main(argv(bad_folders), capsys)
+    _assert_one_error_line(code, out, err)
+    assert part in err, err
+
+
+@pytest.mark.parametrize("name", ["missing_model", "corrupt_safetensors", "unknown_decoder"])
+def test_generate_bad_input_subprocess(name, bad_folders, env):
+    argv, part = BAD_INPUTS[name]
+    r = _run(env, "polestar_jax.generate", *argv(bad_folders))
+    _assert_one_error_line(r.returncode, r.stdout, r.stderr)
+    assert part in r.stderr
+
+
+# -------------------------------------------------------------------------------------------- crosscheck
+def test_crosscheck_golden_folder(env, tiny_a_cases, tiny_a_generations):
+    """(``tiny_a_generations`` compiled the same shapes in-process first: the subprocess reuses them.)"""
+    n = len(tiny_a_cases["logits_cases"]) + len(tiny_a_cases["generate_cases"])
+    assert n == 123
+    r = _run(env, "polestar_jax.crosscheck", str(TINY_A_DIR.relative_to(REPO_ROOT)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == f"{n} passed, 0 failed"
+
+
+def test_crosscheck_reports_an_altered_token(env, tiny_a_cases, tiny_a_generations, tmp_path):
+    """A copy with one generated token changed (in ``generated_ids``, ``output_ids`` and the trajectory) fails
+    exactly that case and names the forward that committed it. The copy keeps two cases of the 41-token prompt
+    (slot 48, the shapes the golden run compiled) to stay fast."""
+    folder = tmp_path / "altered"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(TINY_A_DIR / name, folder / name)
+    keep = ["fastdllm.generate/p2/g32_b8_s32/thr_0.9", "fastdllm.generate/p2/g32_b8_s32/thr_0.5"]
+    cases = [json.loads(json.dumps(c)) for c in tiny_a_cases["generate_cases"] if c["name"] in keep]
+    assert [c["name"] for c in cases] == keep
+    victim = cases[1]
+    plen = len(victim["prompt_ids"])
+    forward = 3
+    pos, tok = victim["trajectory"][forward][0]  # the first token committed by forward 3
+    new = (tok + 1) % 254
+    victim["trajectory"][forward][0] = [pos, new]
+    victim["generated_ids"][pos - plen] = new
+    victim["output_ids"][pos] = new
+    data = dict(tiny_a_cases, logits_cases=[], generate_cases=cases)
+    (folder / "cases.json").write_text(json.dumps(data))
+
+    r = _run(env, "polestar_jax.crosscheck", str(folder))
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    fail = [line for line in lines if victim["name"] in line]
+    assert len(fail) == 1 and "first diverging forward" in fail[0], r.stdout
+    assert f"first diverging forward {forward}:" in fail[0], fail[0]
+    assert keep[0] not in r.stdout
+    assert lines[-1] == "1 passed, 1 failed"
+
+
+def test_crosscheck_missing_folder(tmp_path, capsys):
+    code = crosscheck.main([str(tmp_path / "nope")])
+    out, err = capsys.readouterr()
+    _assert_one_error_line(code, out, err)
+    assert "not found" in err
