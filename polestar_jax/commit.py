@@ -69,19 +69,24 @@ def rank_desc(conf: jax.Array) -> jax.Array:
     return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
 
 
+def _candidates_only(conf: jax.Array, masked: jax.Array) -> jax.Array:
+    return jnp.where(masked, conf, -jnp.inf)
+
+
 def commit_fixed(conf: jax.Array, masked: jax.Array, k: jax.Array) -> jax.Array:
     """The ``k`` [b] most confident candidates."""
-    return masked & (rank_desc(conf) < k[:, None])
+    return masked & (rank_desc(_candidates_only(conf, masked)) < k[:, None])
 
 
 def commit_threshold(conf: jax.Array, masked: jax.Array, threshold: jax.Array | float) -> jax.Array:
     """The most confident candidate, and every candidate with ``conf >= threshold``."""
-    return masked & ((rank_desc(conf) == 0) | (conf >= threshold))
+    return masked & ((rank_desc(_candidates_only(conf, masked)) == 0) | (conf >= threshold))
 
 
 def commit_factor(conf: jax.Array, masked: jax.Array, factor: jax.Array | float) -> jax.Array:
     """Fast-dLLM's dynamic ("factor") rule, reproduced including its last-candidate quirk."""
     n = jnp.sum(masked, axis=-1)  # [b]
+    conf = _candidates_only(conf, masked)
     srt = -jnp.sort(-conf, axis=-1)  # descending; candidates first, -inf after
     j = jnp.arange(conf.shape[-1])
     thr = jnp.where(j == 0, -1.0, 1.0 - factor / (j + 2.0))

@@ -281,6 +281,8 @@ class DecodeConfig:
             raise ConfigError(f"steps {self.steps} is not a positive multiple of the number of blocks {self.num_blocks}")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.factor is not None and self.threshold is not None:
+            raise ConfigError("give either a threshold or a factor rule, not both (threshold=None with factor)")
         if self.factor is not None and not self.factor > 0:
             raise ConfigError(f"factor must be positive, got {self.factor}")
         if self.temperature < 0:

@@ -93,7 +93,8 @@ def decode_config_for_case(case: dict):
         raise PolestarError("cfg_scale / logits_eos_inf / confidence_eos_eot_inf are not supported")
     return DecodeConfig(decoder=decoder, cache=cache, gen_length=int(s["gen_length"]),
                         block_length=int(s["block_length"]), steps=int(s["steps"]),
-                        threshold=s.get("threshold"), factor=s.get("factor"))
+                        threshold=None if s.get("factor") is not None else s.get("threshold"),
+                        factor=s.get("factor"))  # Fast-dLLM: a factor overrides the threshold
 
 
 def _check_generation(name, result, row, prompt_len, want_generated, want_nfe, want_trajectory=None,

@@ -1,0 +1,117 @@
+"""Batches, sharding over a simulated 8-device mesh (in a subprocess), and memory planning."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from polestar_jax.checkpoint import load_model
+from polestar_jax.config import DecodeConfig
+from polestar_jax.engine import generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+
+
+def test_polestar_batch_rows_equal_alone():
+    """Rows of different lengths decoded together get exactly what they get alone (tokens, NFE, stats)."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    cfg, params = load_model(os.path.join(DATA, "polestar_tiny_p"), dtype="float32")
+    dc = DecodeConfig(decoder="polestar", gen_length=32, block_length=8, threshold=0.9)
+    a, b = [5, 17, 33, 2, 99, 140, 7, 61, 8, 200, 13, 4], [9, 8, 7, 6, 5]
+    both = generate(params, cfg, [a, b], dc, seed=[11, 22], prompt_slot=16)
+    for row, (p, s) in enumerate(((a, 11), (b, 22))):
+        alone = generate(params, cfg, [p], dc, seed=[s], prompt_slot=16)
+        np.testing.assert_array_equal(both.tokens[row], alone.tokens[0])
+        assert int(both.nfe[row]) == int(alone.nfe[0])
+        assert both.block_stats(row) == alone.block_stats(0)
+        for key in ("early", "suffix"):
+            assert both.polestar[key][row] == alone.polestar[key][0]
+
+
+_MESH_SCRIPT = r"""
+import json, sys
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+assert len(jax.devices()) == 8, jax.devices()
+from polestar_jax import crosscheck, sharding
+from polestar_jax.checkpoint import load_model
+from polestar_jax.config import DecodeConfig
+from polestar_jax.engine import generate
+data = sys.argv[1]
+mesh = sharding.make_mesh("data=2,model=4")
+out = {}
+cfg, params = load_model(data + "/polestar_tiny_p", dtype="float32")
+prompts = [[5, 17, 33, 2, 99, 140, 7, 61, 8, 200, 13, 4], [9, 8, 7, 6, 5]]
+for dec, cache, thr in (("llada", "none", None), ("fastdllm", "prefix", 0.9), ("polestar", "dual", 0.9)):
+    dc = DecodeConfig(decoder=dec, cache=cache, gen_length=16, block_length=8, threshold=thr)
+    one = generate(params, cfg, prompts, dc, seed=[1, 2], prompt_slot=16)
+    sh = generate(params, cfg, prompts, dc, seed=[1, 2], prompt_slot=16, mesh=mesh)
+    out[dec + "/" + cache] = bool((one.tokens == sh.tokens).all() and (one.nfe == sh.nfe).all())
+res = crosscheck.replay_polestar_folder(data + "/polestar_tiny_p", params, cfg, batch=2, mesh=mesh)
+out["crosscheck_polestar"] = [r.name for r in res if r.status != "pass"]
+out["n_cases"] = len(res)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_mesh_sharding_matches_single_device_and_replays_golden():
+    """8 simulated CPU devices, mesh data=2 x model=4: every decoder gives the tokens of one device, and
+    the Polestar golden folder replays exactly (batched 2 at a time)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, DATA], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT "):])
+    assert out.pop("crosscheck_polestar") == []
+    assert out.pop("n_cases") == 16
+    assert all(out.values()), out
+
+
+def test_crosscheck_batched_llada_format(tiny_a):
+    """The LLaDA/Fast-dLLM golden cases replayed 4 at a time (mixed prompt lengths, rows finishing blocks at
+    different steps) match exactly, as `crosscheck --batch 4` does."""
+    from polestar_jax import crosscheck
+
+    cfg, params = tiny_a
+    res = crosscheck.replay_llada_folder(os.path.join(DATA, "llada_tiny_a"), params, cfg, batch=4)
+    with open(os.path.join(DATA, "llada_tiny_a", "cases.json")) as f:
+        cases = json.load(f)
+    assert len(res) == len(cases["logits_cases"]) + len(cases["generate_cases"])
+    assert [f"{r.name}: {r.detail}" for r in res if r.status != "pass"] == []
+
+
+def test_dry_run_plans_8b_from_config_only(capsys):
+    """--dry-run sizes the 8B model from its config.json alone (abstract arrays, no weights)."""
+    from polestar_jax.generate import main
+    from polestar_jax.plan import plan
+    from polestar_jax.config import ModelConfig
+
+    cfg = ModelConfig.from_json(os.path.join(DATA, "llada8b_config.json"))
+    dc = DecodeConfig(decoder="polestar", gen_length=256, block_length=32)
+    mp = plan(cfg, dc, batch=2, prompt_len=128, dtype="bfloat16", compile_step=False)
+    n_params = (2 * cfg.embedding_size * cfg.d_model + cfg.d_model
+                + cfg.n_layers * (4 * cfg.d_model ** 2 + 3 * cfg.d_model * cfg.mlp_hidden_size + 2 * cfg.d_model))
+    assert mp.param_bytes == 2 * n_params
+    length = 128 + 256
+    assert mp.kv_bytes_per_seq == 2 * cfg.n_layers * cfg.d_model * length * 2
+    assert mp.hs_bytes_per_seq == cfg.n_layers * 3 * 32 * cfg.d_model * 2
+    rc = main(["--dry-run", "--model-config", os.path.join(DATA, "llada8b_config.json"), "--gen-length", "64",
+               "--block-length", "32", "--decoder", "fastdllm", "--dtype", "float32"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "parameters: 29.86" in out and "compiled block step" in out
+
+
+def test_bad_mesh_is_a_one_line_error(capsys):
+    from polestar_jax.generate import main
+
+    assert main(["--prompt", "x", "--mesh", "data=two"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
