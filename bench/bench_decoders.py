@@ -233,12 +233,14 @@ class _LaxWithUnrolledScan:
 
 @contextlib.contextmanager
 def _unrolled_layer_scan():
-    saved = M.lax
-    M.lax = _LaxWithUnrolledScan()
+    from polestar_jax import polestar as PS
+
+    saved = M.lax, PS.lax
+    M.lax = PS.lax = _LaxWithUnrolledScan()  # the layer scans of model.py and polestar.py
     try:
         yield
     finally:
-        M.lax = saved
+        M.lax, PS.lax = saved
 
 
 def cost_flops(compiled) -> Optional[float]:
