@@ -38,6 +38,7 @@ class GenerateResult:
     block_nfe: np.ndarray
     seconds: float
     compile_seconds: float = 0.0
+    dispatch_seconds: float = 0.0  # host time spent enqueueing the blocks (the rest of `seconds` is device work)
     polestar: Optional[dict] = None  # decoder "polestar": per-row stats arrays (see polestar_stats)
     steps: Optional[list] = None  # decoder "polestar": per block, the StepOut buffer (numpy)
 
@@ -182,6 +183,7 @@ def generate(
     for blk in range(dcfg.num_blocks):  # dispatched asynchronously: no host sync inside the loop
         state, st = fn(params, state, jnp.int32(blk), knobs, replay)
         steps.append(st)
+    dispatch_seconds = time.perf_counter() - t0  # host time to enqueue every block
     from polestar_jax.sharding import to_host
 
     x, cstep, nfe, bnfe, pol, steps = to_host(
@@ -193,5 +195,5 @@ def generate(
                   ("block0", "efficient", "cluster_steps", "processed", "early", "suffix")}
     return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
                           nfe=np.asarray(nfe), block_nfe=np.asarray(bnfe), seconds=seconds,
-                          compile_seconds=compile_seconds, polestar=pstats,
+                          compile_seconds=compile_seconds, dispatch_seconds=dispatch_seconds, polestar=pstats,
                           steps=steps if pol is not None else None)
