@@ -115,3 +115,22 @@ def test_bad_mesh_is_a_one_line_error(capsys):
     assert main(["--prompt", "x", "--mesh", "data=two"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
+
+
+def test_generate_cli_several_prompts(tmp_path, capsys, monkeypatch):
+    """Several prompts (repeated --prompt and --prompts-file) decode as one batch; each response is printed
+    with its own stats, and the JSON line carries one entry per row."""
+    from polestar_jax.generate import main
+
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("third prompt\n\nfourth\n")
+    rc = main(["--prompt", "Hello", "--prompt", "A longer second prompt", "--prompts-file", str(pf),
+               "--decoder", "fastdllm", "--gen-length", "16", "--block-length", "8", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.startswith("--- [") for line in out) == 4
+    assert sum(line.startswith("[fastdllm/dual] nfe=") for line in out) == 4
+    last = json.loads(out[-1])
+    assert len(last["text"]) == len(last["nfe"]) == len(last["token_ids"]) == 4
+    assert all(len(t) == 16 for t in last["token_ids"])
