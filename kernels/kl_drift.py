@@ -53,8 +53,10 @@ MODES = ("token", "cluster")
 
 
 # ------------------------------------------------------------------------------------------- reference
-def _kl_terms(p: jax.Array, pp: jax.Array, mode: str) -> jax.Array:
-    """Elementwise KL terms of the new probabilities ``p`` against the previous ``pp`` (float32)."""
+def kl_terms(p: jax.Array, pp: jax.Array, mode: str) -> jax.Array:
+    """Elementwise KL terms of the new probabilities ``p`` against the previous ``pp`` (float32, same shape):
+    "token": both clamped at 1e-12 before the logs; "cluster": logs of ``p + 1e-12``. The one definition of
+    the drift math (also used by :mod:`polestar_jax.drift`)."""
     if mode == "token":
         a = jnp.maximum(p, TOKEN_EPS)
         c = jnp.maximum(pp, TOKEN_EPS)
@@ -81,7 +83,7 @@ def kl_drift_reference(q: jax.Array, k: jax.Array, key_valid: Optional[jax.Array
     if key_valid is not None:
         s = jnp.where(key_valid[:, None, None, None, :], s, MASK_VALUE)
     p_new = jax.nn.softmax(s, axis=-1).reshape(b, h, t, -1)
-    kl = jnp.sum(_kl_terms(p_new, p_prev.astype(jnp.float32), mode), axis=-1)
+    kl = jnp.sum(kl_terms(p_new, p_prev.astype(jnp.float32), mode), axis=-1)
     return jnp.mean(jnp.maximum(kl, 0.0), axis=1), p_new
 
 
@@ -185,11 +187,11 @@ def _kl_drift_kernel(q_ref, k_ref, valid_ref, pprev_ref, kl_ref, pnew_ref, *, mo
             win = (pl.ds(t0, block_t), pl.ds(start, size))
             pp = plgpu.load(pprev_ref.at[win], mask=ok, other=0.0)
             plgpu.store(pnew_ref.at[win], p, mask=ok)
-            terms = jnp.where(col_ok[None, :], _kl_terms(p, pp, mode), 0.0)
+            terms = jnp.where(col_ok[None, :], kl_terms(p, pp, mode), 0.0)
         else:
             pp = pprev_ref[:, pl.ds(start, size)]
             pnew_ref[:, pl.ds(start, size)] = p
-            terms = _kl_terms(p, pp, mode)
+            terms = kl_terms(p, pp, mode)
         return kl + jnp.sum(terms, axis=1, keepdims=True)
 
     kl = jnp.maximum(sweep(emit, jnp.zeros((block_t, 1), jnp.float32)), 0.0)

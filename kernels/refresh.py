@@ -8,7 +8,7 @@ In a refresh step every layer (see :func:`polestar_jax.polestar.step_forward`)
 2. recomputes the layer for them (the matmuls: left to XLA) and scatters the outputs into the next layer's
    hidden states and this layer's K/V cache rows -> :func:`scatter_rows` / :func:`scatter_kv_rows`;
 3. moves every centroid by the change of its refreshed members -> :func:`centroid_shift` (= 
-   :func:`polestar_jax.cluster.shift_centroids`).
+   :func:`centroid_shift_reference`).
 
 Each function has a ``*_reference`` in plain jnp with the same signature, a ``backend=`` switch (see
 :mod:`polestar_jax.kernels.backend`) and an ``interpret`` flag. Kernel flavours:
@@ -329,7 +329,7 @@ def scatter_rows(dst: jax.Array, rows: jax.Array, idx: jax.Array, valid: jax.Arr
 def scatter_kv_rows(cache: jax.Array, rows: jax.Array, idx: jax.Array, valid: jax.Array, *,
                     interpret: bool = False, backend: str = "auto", flavor: str = "triton") -> jax.Array:
     """K/V cache layout: ``cache`` [b, KV, L, hd] with ``rows`` [b, KV, C, hd] written at positions ``idx``
-    [b, C] where ``valid`` (= ``polestar._scatter_kv(cache, rows, where(valid, idx, L))``)."""
+    [b, C] where ``valid`` (invalid or out-of-range entries are dropped)."""
     b, kv, length, hd = cache.shape
     c = rows.shape[2]
     flat = lambda a: a.reshape((b * kv,) + a.shape[2:])
@@ -353,7 +353,7 @@ def centroid_shift_reference(centroids: jax.Array, labels: jax.Array, counts: ja
                              h_old: jax.Array, h_new: jax.Array, *, interpret: bool = False,
                              backend: str = "reference", flavor: str = "triton") -> jax.Array:
     """``c_k += (sum_new - sum_old) / (count_k + 1e-6)`` over rows with ``rows_mask`` and label k, for
-    count_k > 0 (= :func:`polestar_jax.cluster.shift_centroids`).
+    count_k > 0 (the centroid update of a Polestar refresh).
 
     centroids [b, K, D]; labels [b, R] int; counts [b, K]; rows_mask [b, R] bool; h_old / h_new [b, R, D].
     """
@@ -458,7 +458,7 @@ def _shift_pallas(centroids, labels, counts, rows_mask, h_old, h_new, *, flavor,
 def centroid_shift(centroids: jax.Array, labels: jax.Array, counts: jax.Array, rows_mask: jax.Array,
                    h_old: jax.Array, h_new: jax.Array, *, interpret: bool = False, backend: str = "auto",
                    flavor: str = "triton") -> jax.Array:
-    """Fused :func:`polestar_jax.cluster.shift_centroids` (same argument order): the one-hot member sums of
+    """Fused :func:`centroid_shift_reference`: the one-hot member sums of
     the old and new rows (two [K, R] x [R, D] products) and the update, per (batch row, feature chunk)."""
     if interpret:
         backend = "interpret"

@@ -154,17 +154,3 @@ def cluster_windows(
     counts = jnp.sum((labels[:, None] == slot[None, :]), axis=0).astype(jnp.float32)
     return Clusters(cent, labels, counts, k)
 
-
-def shift_centroids(centroids: jax.Array, labels: jax.Array, counts: jax.Array, rows: jax.Array,
-                    h_old: jax.Array, h_new: jax.Array) -> jax.Array:
-    """Moves each centroid by the change of its members that were refreshed:
-    ``c_k += (sum_new - sum_old) / (count_k + 1e-6)`` over refreshed rows with label k (count_k > 0).
-
-    centroids [b, K, D]; labels [b, R]; counts [b, K]; rows [b, R] bool (refreshed); h_old/h_new [b, R, D].
-    """
-    k = centroids.shape[1]
-    onehot = ((labels[..., None] == jnp.arange(k)) & rows[..., None]).astype(centroids.dtype)
-    sum_new = jnp.einsum("brk,brd->bkd", onehot, h_new.astype(centroids.dtype))
-    sum_old = jnp.einsum("brk,brd->bkd", onehot, h_old.astype(centroids.dtype))
-    moved = centroids + (sum_new - sum_old) / (counts[..., None] + COUNT_EPS).astype(centroids.dtype)
-    return jnp.where((counts > 0)[..., None], moved, centroids)

@@ -8,7 +8,8 @@
   clamped at 0 per head, averaged over heads. ``S_prev`` is the proxy attention of the last refresh (or of
   the block-start pass).
 
-These are the plain-jnp references; :mod:`polestar_jax.kernels` holds fused versions.
+The decode step calls the fused :func:`polestar_jax.kernels.kl_drift.kl_drift`; these functions are the same
+math on materialised probabilities (the block-start pass and tests use them).
 """
 from __future__ import annotations
 
@@ -19,18 +20,19 @@ import jax.numpy as jnp
 
 from polestar_jax import model as M
 from polestar_jax.config import ModelConfig
+from polestar_jax.kernels.kl_drift import kl_terms
 
-TOKEN_EPS = 1e-12
-CLUSTER_EPS = 1e-12
 _NEG = -1e30
+
+
+def _head_mean_kl(p: jax.Array, pp: jax.Array, mode: str) -> jax.Array:
+    kl = jnp.sum(kl_terms(p.astype(jnp.float32), pp.astype(jnp.float32), mode), axis=-1)
+    return jnp.mean(jnp.maximum(kl, 0.0), axis=1)
 
 
 def token_drift(p_t: jax.Array, p_prev: jax.Array) -> jax.Array:
     """p_t, p_prev: [b, H, T, L] attention probabilities -> drift [b, T] (float32)."""
-    p = jnp.maximum(p_t.astype(jnp.float32), TOKEN_EPS)
-    q = jnp.maximum(p_prev.astype(jnp.float32), TOKEN_EPS)
-    kl = jnp.sum(p * (jnp.log(p) - jnp.log(q)), axis=-1)
-    return jnp.mean(jnp.maximum(kl, 0.0), axis=1)
+    return _head_mean_kl(p_t, p_prev, "token")
 
 
 def proxy_queries(lp: M.LayerParams, centroids: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -61,10 +63,7 @@ def proxy_attention(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array,
 
 def cluster_drift(s: jax.Array, s_prev: jax.Array) -> jax.Array:
     """s, s_prev: [b, H, K, L] -> per-cluster drift [b, K] (float32)."""
-    s = s.astype(jnp.float32)
-    sp = s_prev.astype(jnp.float32)
-    kl = jnp.sum(s * (jnp.log(s + CLUSTER_EPS) - jnp.log(sp + CLUSTER_EPS)), axis=-1)
-    return jnp.mean(jnp.maximum(kl, 0.0), axis=1)
+    return _head_mean_kl(s, s_prev, "cluster")
 
 
 def drift_delta(d: jax.Array, hist: jax.Array, fill: jax.Array) -> jax.Array:

@@ -187,12 +187,6 @@ def _rows_at(a: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
 
 
-def _scatter_kv(cache: jax.Array, rows: jax.Array, idx: jax.Array) -> jax.Array:
-    """cache [b, KV, L, hd] with rows [b, KV, T, hd] written at positions idx [b, T] (idx >= L dropped)."""
-    bi = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[bi, :, idx].set(rows.transpose(0, 2, 1, 3), mode="drop")
-
-
 # ------------------------------------------------------------------------------------ draws and replay
 def _hash32(x: jax.Array) -> jax.Array:
     """A 32-bit integer mixer (lowbias32): the counter-based generator of the default k-means draws.
@@ -270,14 +264,13 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
     if windowed:
         q_pos_abs = geo.cs - pre + jnp.arange(pre + block + suf)  # window positions
         valid = jnp.concatenate([geo.ref_valid[:, :pre], jnp.ones((b, block), bool), geo.ref_valid[:, pre:]], 1)
-        write_idx = jnp.where(valid, q_pos_abs[None], length)
+        write_idx = jnp.broadcast_to(q_pos_abs, valid.shape).astype(jnp.int32)
         ids = _rows_at(state.x, q_pos_abs)
         blk_off = pre
         hs_rows = jnp.concatenate([jnp.arange(pre), pre + block + jnp.arange(suf)])
         k0, v0 = state.k_cache, state.v_cache
     else:
         q_pos_abs = jnp.arange(length)
-        write_idx = jnp.broadcast_to(q_pos_abs, (b, length))
         ids = state.x
         blk_off = geo.cs
         hs_rows = geo.ref_pos
@@ -298,7 +291,8 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
         if kcache is None:
             kk, vv = k, v
         else:
-            kk, vv = _scatter_kv(kcache, k, write_idx), _scatter_kv(vcache, v, write_idx)
+            kk = scatter_kv_rows(kcache, k, write_idx, valid, backend=pc.kernels)
+            vv = scatter_kv_rows(vcache, v, write_idx, valid, backend=pc.kernels)
         qr = M.apply_rope(q, qc, qs)
         kr = M.apply_rope(kk, kc, ks)
         a, p = M.attention(qr, kr, vv, state.key_valid, return_probs=True)

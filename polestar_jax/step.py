@@ -135,7 +135,7 @@ def apply_commits(state: DecodeState, spec: EngineSpec, knobs: Knobs, logits, cs
 
 
 def decode_block(params, state: DecodeState, block_idx, knobs: Knobs, spec: EngineSpec) -> DecodeState:
-    """Decodes block ``block_idx`` (a traced int32) of every row; pure, see :func:`decode_block_jit`."""
+    """Decodes block ``block_idx`` (a traced int32) of every row; pure (jitted through :data:`run_block_jit`)."""
     cfg, B = spec.model, spec.block_length
     cs = (state.x.shape[1] - spec.gen_length) + block_idx * B
     has_mask = lambda s: jnp.any(_blk(s.x, cs, B) == cfg.mask_token_id, axis=1)
@@ -188,6 +188,3 @@ def run_block(params, state: DecodeState, block_idx, knobs: Knobs, replay, spec:
 
 
 run_block_jit = jax.jit(run_block, static_argnames=("spec",), donate_argnames=("state",))
-decode_block_jit = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",))
-decode_block_jit.__doc__ = """Jitted :func:`decode_block`: compiled once per (spec, shapes); ``block_idx`` and the
-knobs are traced, so every block and every threshold reuse one executable."""
