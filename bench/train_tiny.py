@@ -70,9 +70,9 @@ class TrainConfig:
     seed: int = 0
     steps: int = 6000
     batch: int = 64
-    gen_length: int = 48
-    block_length: int = 16
-    prompt_slot: int = 72  # longest chat prompt in tokens (rows are prompt_slot + gen_length long)
+    gen_length: int = 32  # longest answer is 27 characters (+ EOS padding)
+    block_length: int = 8
+    prompt_slot: int = 68  # longest chat prompt in tokens (67); rows are prompt_slot + gen_length long
     # model
     n_layers: int = 4
     d_model: int = 128
@@ -512,6 +512,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
     ap.add_argument("--warmup", type=int, default=TrainConfig.warmup)
     ap.add_argument("--gen-length", type=int, default=TrainConfig.gen_length)
+    ap.add_argument("--block-length", type=int, default=TrainConfig.block_length)
+    ap.add_argument("--prompt-slot", type=int, default=TrainConfig.prompt_slot)
     ap.add_argument("--task-weights", default=None,
                     help="comma-separated task=weight (others 1), e.g. reverse=2,add=1.5")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this many minutes")
@@ -533,7 +535,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             w[k] = float(v)
         weights = tuple(w[k] for k in T.TASK_NAMES)
     tc = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
-                     gen_length=args.gen_length, task_weights=weights)
+                     gen_length=args.gen_length, block_length=args.block_length,
+                     prompt_slot=args.prompt_slot, task_weights=weights)
     command = "python -m bench.train_tiny " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res = train(tc, args.out, resume=args.resume, max_minutes=args.max_minutes, save_every=args.save_every,
                 eval_every=args.eval_every, eval_n=args.eval_n, log_every=args.log_every, command=command)

@@ -425,6 +425,38 @@ def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None) -> tuple[
     return cfg, jax.tree.map(jnp.asarray, params)
 
 
+GENERATION_FILE = "generation_config.json"
+_GENERATION_KEYS = ("gen_length", "block_length", "steps")
+
+
+def generation_defaults(path: Union[str, os.PathLike]) -> dict[str, int]:
+    """Decoding lengths a model folder recommends: the integer ``gen_length`` / ``block_length`` / ``steps``
+    keys of its ``generation_config.json`` (a model trained for one answer length, like the bundled
+    ``tiny_tasks``, sets them); ``{}`` when the file or the keys are absent.
+
+    Raises:
+        CheckpointError: the file exists but is not a JSON object, or a key is not a positive integer.
+    """
+    f = os.path.join(os.fspath(path), GENERATION_FILE)
+    if not os.path.isfile(f):
+        return {}
+    try:
+        with open(f) as fh:
+            d = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {f}: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f} is not a JSON object")
+    out = {}
+    for k in _GENERATION_KEYS:
+        if k in d:
+            v = d[k]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise CheckpointError(f"{f}: {k} must be a positive integer, got {v!r}")
+            out[k] = v
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- writing
 
 def _config_json(cfg: ModelConfig, params: Mapping[str, Any], extra_config: Optional[Mapping[str, Any]],

@@ -175,6 +175,10 @@ class PolestarConfig:
     Implementation:
       kernels         "auto" (Pallas on GPU/TPU, the jnp reference on CPU), "pallas", "interpret" (the
                       Pallas kernels in the interpreter: slow, for tests) or "reference".
+      offload_hidden  how the refresh rows' stored hidden states are kept: "none" (model dtype, device
+                      memory: exact), "int8" (symmetric int8 with one float32 scale per row) or "bf16";
+                      "int8" and "bf16" live in host memory (``memory_kind="pinned_host"``) where the
+                      backend has it, and only the layer being refreshed is moved to the device.
     """
 
     n_clusters: int = 8
@@ -193,6 +197,7 @@ class PolestarConfig:
     gate_max_delta: float = 2.0
     suffix_precommit: bool = True
     kernels: str = "auto"
+    offload_hidden: str = "none"
 
     def __post_init__(self):
         self.validate()
@@ -201,6 +206,9 @@ class PolestarConfig:
         def need(cond: bool, msg: str):
             if not cond:
                 raise ConfigError(f"invalid Polestar setting: {msg}")
+
+        need(self.offload_hidden in OFFLOAD_HIDDEN,
+             f"offload_hidden must be one of {', '.join(OFFLOAD_HIDDEN)}, got {self.offload_hidden!r}")
 
         need(self.n_clusters >= 2, f"n_clusters must be >= 2, got {self.n_clusters}")
         need(self.prefix_blocks >= 1, f"prefix_blocks must be >= 1, got {self.prefix_blocks}")
@@ -216,6 +224,10 @@ class PolestarConfig:
         need(self.gate_scale >= 0, f"gate_scale must be >= 0, got {self.gate_scale}")
         need(self.kernels in ("auto", "pallas", "interpret", "reference"),
              f"kernels must be auto, pallas, interpret or reference, got {self.kernels!r}")
+
+
+#: Storage modes of Polestar's hidden-state store (:attr:`PolestarConfig.offload_hidden`).
+OFFLOAD_HIDDEN = ("none", "int8", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)

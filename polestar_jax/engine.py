@@ -177,6 +177,11 @@ def generate(
         state = sharding.shard(state, sharding.state_shardings(state, mesh))
         if replay is not None:
             replay = sharding.shard(replay, sharding.state_shardings(replay, mesh))
+    if state.polestar is not None and dcfg.polestar.offload_hidden != "none":
+        from polestar_jax.offload import place_store
+
+        hs, hs_scale = place_store(state.polestar.hs, state.polestar.hs_scale, dcfg.polestar)
+        state = state.replace(polestar=state.polestar.replace(hs=hs, hs_scale=hs_scale))
     fn, compile_seconds = compiled_block(params, state, knobs, spec, replay)
     t0 = time.perf_counter()
     steps = []

@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decoder", default="polestar", choices=DECODERS)
     ap.add_argument("--cache", default=None, choices=CACHES,
                     help="KV cache (default: dual; llada: none; polestar needs dual)")
-    ap.add_argument("--gen-length", type=int, default=128)
-    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--gen-length", type=int, default=None,
+                    help="tokens to generate (default: the model folder's generation_config.json, else 128)")
+    ap.add_argument("--block-length", type=int, default=None,
+                    help="block length (default: the model folder's generation_config.json, else 32)")
     ap.add_argument("--steps", type=int, default=None, help="total forwards of the fixed schedule (default: gen length)")
     ap.add_argument("--threshold", type=_threshold, default="0.9",
                     help="confidence threshold (fastdllm; 'none' = fixed schedule)")
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--windowed-period", type=int, default=4,
                    help="every n-th block starts with a windowed pass (0: always a full pass)")
     g.add_argument("--no-suffix-commit", action="store_true", help="disable suffix pre-commit")
+    g.add_argument("--offload-hidden", default="none", choices=["none", "int8", "bf16"],
+                   help="store the refresh rows' hidden states int8 (per-row scales) or bf16 in host memory "
+                        "(pinned_host) instead of exact in device memory")
     g.add_argument("--kernels", default="auto", choices=["auto", "pallas", "interpret", "reference"],
                    help="drift/refresh kernels: auto = Pallas on GPU/TPU, jnp reference on CPU")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
@@ -78,8 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def decode_config_from_args(args) -> DecodeConfig:
+def decode_config_from_args(args, defaults: Optional[dict] = None) -> DecodeConfig:
+    """The :class:`DecodeConfig` of the parsed arguments; ``defaults`` (the model folder's
+    :func:`polestar_jax.checkpoint.generation_defaults`) fill ``--gen-length`` / ``--block-length`` when
+    they are not given."""
     from polestar_jax.config import PolestarConfig
+
+    defaults = defaults or {}
 
     decoder = args.decoder
     threshold = args.threshold if isinstance(args.threshold, (float, type(None))) else _threshold(args.threshold)
@@ -93,8 +103,11 @@ def decode_config_from_args(args) -> DecodeConfig:
     early = args.early_threshold if not isinstance(args.early_threshold, str) else _threshold(args.early_threshold)
     pc = PolestarConfig(n_clusters=args.clusters, top_k=args.top_k, early_threshold=early,
                         windowed_period=args.windowed_period, suffix_precommit=not args.no_suffix_commit,
-                        kernels=args.kernels)
-    return DecodeConfig(decoder=decoder, cache=cache, gen_length=args.gen_length, block_length=args.block_length,
+                        kernels=args.kernels, offload_hidden=args.offload_hidden)
+    gen_length = args.gen_length if args.gen_length is not None else defaults.get("gen_length", 128)
+    block_length = args.block_length if args.block_length is not None else defaults.get("block_length", 32)
+    block_length = min(block_length, gen_length) if args.block_length is None else block_length
+    return DecodeConfig(decoder=decoder, cache=cache, gen_length=gen_length, block_length=block_length,
                         steps=args.steps, threshold=threshold, factor=args.factor, temperature=args.temperature,
                         remasking=args.remasking, polestar=pc)
 
@@ -171,7 +184,11 @@ def dry_run(args, dcfg: DecodeConfig) -> int:
 def run(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     enable_compile_cache()
-    dcfg = decode_config_from_args(args)
+    from polestar_jax.checkpoint import generation_defaults
+    from polestar_jax.tokenizer import bundled_model_dir
+
+    defaults = {} if args.dry_run and args.model_config else generation_defaults(args.model or bundled_model_dir())
+    dcfg = decode_config_from_args(args, defaults)
     if args.dry_run:
         return dry_run(args, dcfg)
     prompts = read_prompts(args)

@@ -22,18 +22,22 @@ from polestar_jax.config import DecodeConfig, ModelConfig
 class MemoryPlan:
     param_bytes: int
     kv_bytes_per_seq: int
-    hs_bytes_per_seq: int  # Polestar's stored hidden states of the refresh rows
+    hs_bytes_per_seq: int  # Polestar's stored hidden states of the refresh rows (+ int8 scales)
     polestar_other_bytes_per_seq: int  # clusters, proxy attention, drift state
     state_bytes: int  # the whole decode state for the batch
     compiled: Optional[dict]  # XLA memory analysis of the block step (bytes), if compiled
     compile_seconds: float
     bf16: bool = False
+    hs_memory: str = "device"  # where the stored hidden states live ("device" or "pinned_host")
+    hs_device_transient_bytes_per_seq: int = 0  # one layer's rows on the device during a refresh (offloaded)
 
     def lines(self) -> list[str]:
         gib = lambda n: f"{n / 2**30:.3f} GiB"
         out = [f"parameters: {gib(self.param_bytes)} ({self.param_bytes:,} bytes)",
                f"KV cache per sequence: {gib(self.kv_bytes_per_seq)}",
-               f"hidden states per sequence (Polestar refresh rows): {gib(self.hs_bytes_per_seq)}",
+               f"hidden states per sequence (Polestar refresh rows): {gib(self.hs_bytes_per_seq)} in "
+               f"{self.hs_memory} memory" + (f" ({gib(self.hs_device_transient_bytes_per_seq)} on the device "
+                                             "during a layer's refresh)" if self.hs_memory != "device" else ""),
                f"other Polestar state per sequence: {gib(self.polestar_other_bytes_per_seq)}",
                f"decode state for the batch: {gib(self.state_bytes)}"]
         if self.compiled:
@@ -73,10 +77,17 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
 
     state = jax.eval_shape(build)
     kv = _nbytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
-    hs = other = 0
+    hs = other = transient = 0
+    hs_memory = "device"
     if state.polestar is not None:
-        hs = _nbytes(state.polestar.hs) // batch
-        other = (_nbytes(state.polestar) - _nbytes(state.polestar.hs)) // batch
+        from polestar_jax import offload as OF
+
+        store = (state.polestar.hs, state.polestar.hs_scale)
+        hs = _nbytes(store) // batch
+        other = (_nbytes(state.polestar) - _nbytes(store)) // batch
+        if dcfg.polestar.offload_hidden != "none":
+            hs_memory = OF.HOST_MEMORY_KIND if OF.host_memory_available() else "device"
+            transient = hs // cfg.n_layers
     compiled, secs = None, 0.0
     if compile_step:
         spec = EngineSpec.from_config(cfg, dcfg)
@@ -89,4 +100,5 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
         if ma is not None:
             compiled = {k: int(getattr(ma, k + "_size_in_bytes")) for k in
                         ("argument", "output", "temp", "generated_code") if hasattr(ma, k + "_size_in_bytes")}
-    return MemoryPlan(_nbytes(params), kv, hs, other, _nbytes(state), compiled, secs, dt == jnp.bfloat16)
+    return MemoryPlan(_nbytes(params), kv, hs, other, _nbytes(state), compiled, secs, dt == jnp.bfloat16,
+                      hs_memory, transient)

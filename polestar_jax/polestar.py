@@ -33,19 +33,23 @@ from polestar_jax import cluster as C
 from polestar_jax import commit as R
 from polestar_jax import drift as Dr
 from polestar_jax import model as M
+from polestar_jax import offload as OF
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
 from polestar_jax.state import DecodeState
 
-_LAYER_MAJOR = ("hs", "labels", "centroids", "counts", "n_clusters", "s_prev")
+_LAYER_MAJOR = ("hs", "hs_scale", "labels", "centroids", "counts", "n_clusters", "s_prev")
 
 
 @flax.struct.dataclass
 class PolestarCache:
     """Polestar's part of the decode state (``N`` layers, ``b`` rows, ``R`` refresh rows, ``K`` cluster slots).
 
-    hs          [N, b, R, D]     layer-input hidden states of the refresh rows (prefix rows, then suffix rows)
+    hs          [N, b, R, D]     layer-input hidden states of the refresh rows (prefix rows, then suffix rows),
+                                 encoded as ``PolestarConfig.offload_hidden`` says (see :mod:`polestar_jax.offload`:
+                                 model dtype, bf16 or int8; host memory when offloaded)
+    hs_scale    [N, b, R] f32    per-row int8 scales (zeros unless int8)
     labels      [N, b, R] int32  cluster of each refresh row (-1: outside the windows)
     centroids   [N, b, K, D]     cluster centroids (shifted by refreshes)
     counts      [N, b, K] f32    cluster sizes
@@ -60,6 +64,7 @@ class PolestarCache:
     """
 
     hs: jax.Array
+    hs_scale: jax.Array
     labels: jax.Array
     centroids: jax.Array
     counts: jax.Array
@@ -85,7 +90,8 @@ def init_cache(cfg: ModelConfig, pc: PolestarConfig, b: int, length: int, block:
     r = (pc.prefix_blocks + pc.suffix_blocks) * block
     zi = lambda *s: jnp.zeros(s, jnp.int32)
     return PolestarCache(
-        hs=jnp.zeros((n, b, r, d), dtype), labels=jnp.full((n, b, r), -1, jnp.int32),
+        hs=jnp.zeros((n, b, r, d), OF.store_dtype(pc, dtype)), hs_scale=jnp.zeros((n, b, r), jnp.float32),
+        labels=jnp.full((n, b, r), -1, jnp.int32),
         centroids=jnp.zeros((n, b, k, d), dtype), counts=jnp.zeros((n, b, k), jnp.float32),
         n_clusters=zi(n, b), s_prev=jnp.zeros((n, b, h, k, length), jnp.float32),
         p_prev=jnp.zeros((b, h, block, length), jnp.float32), hist=jnp.zeros((b, pc.history, block), jnp.float32),
@@ -109,6 +115,12 @@ def select_rows(active: jax.Array, new: DecodeState, old: DecodeState) -> Decode
     kv = jax.tree.map(sel(1), (new.k_cache, new.v_cache), (old.k_cache, old.v_cache))
     fields = {}
     for name in PolestarCache.__dataclass_fields__:
+        if name in ("hs", "hs_scale"):
+            # taken as is (no select): a step patches only rows with `cluster_rows` (active rows), and a
+            # block start rewrites the whole store before any step reads it; so the store (possibly in host
+            # memory) is never touched by a device-side select
+            fields[name] = getattr(pol_new, name)
+            continue
         axis = 1 if name in _LAYER_MAJOR else 0
         fields[name] = sel(axis)(getattr(pol_new, name), getattr(pol_old, name))
     return base.replace(k_cache=kv[0], v_cache=kv[1], polestar=PolestarCache(**fields))
@@ -247,7 +259,8 @@ def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: P
 class StartOut(NamedTuple):
     k: jax.Array  # [N, b, KV, L, hd]
     v: jax.Array
-    hs: jax.Array  # [N, b, R, D]
+    hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.offload), host memory when offloaded
+    hs_scale: jax.Array  # [N, b, R]
     clusters: C.Clusters  # leaves [N, b, ...]
     s_prev: jax.Array  # [N, b, H, K, L]
     p_prev: jax.Array  # [b, H, B, L]
@@ -299,18 +312,20 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
         p_blk = lax.dynamic_slice_in_dim(p, blk_off, block, axis=2)  # kept from the last layer
         out = M.finish_layer(lp, h, a, cfg)
         s = Dr.proxy_attention(lp, cl.centroids, kk, cfg, state.key_valid)
-        return (out, p_blk), (kk, vv, hs, cl, s)
+        stored, scale = OF.encode(hs, pc)
+        return (out, p_blk), (kk, vv, OF.to_host(stored, pc), OF.to_host(scale, pc), cl, s)
 
     p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
-    (h, p_blk), (kk, vv, hs, cl, s) = lax.scan(layer, (h0, p0), (params["blocks"], k0, v0) + tuple(draws))
+    (h, p_blk), (kk, vv, hs, hs_sc, cl, s) = lax.scan(layer, (h0, p0), (params["blocks"], k0, v0) + tuple(draws))
     logits = M.lm_head(params, lax.dynamic_slice_in_dim(h, blk_off, block, axis=1), cfg)
-    return StartOut(kk, vv, hs, cl, s, p_blk, logits)
+    return StartOut(kk, vv, hs, hs_sc, cl, s, p_blk, logits)
 
 
 class StepFwd(NamedTuple):
     k: jax.Array
     v: jax.Array
     hs: jax.Array
+    hs_scale: jax.Array
     centroids: jax.Array
     s_prev: jax.Array
     p_blk: jax.Array  # [b, H, B, L]
@@ -356,16 +371,21 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
 
     def layer(carry, xs):
         h_blk, pk_h, pk_valid, _ = carry
-        lp, kcache, vcache, hs, labels, cent, counts, n_cl, s_prev, fsel, fhas, li = xs
+        lp, kcache, vcache, store, labels, cent, counts, n_cl, s_prev, fsel, fhas, li = xs
         if refresh:
+            # this layer's stored rows come to the device (one layer at a time when offloaded)
+            st_q, st_s = OF.to_device(store[0], pc), OF.to_device(store[1], pc)
+            hs = OF.decode(st_q, st_s, pc, h_blk.dtype)
             # the previous layer's packet patches this layer's hidden states (rows clustered here) and K/V
             # (every packet row, spec J8); the refresh rows' inputs are the patched states
             patch = pk_valid & (labels >= 0)
-            hs_new = jnp.where(patch[..., None], pk_h, hs)
+            new_q, new_s = OF.encode(pk_h, pc)  # unpatched rows keep their stored bits
+            store_new = (OF.to_host(jnp.where(patch[..., None], new_q, st_q), pc),
+                         OF.to_host(jnp.where(patch, new_s, st_s), pc))
             cent = centroid_shift(cent, labels, counts, patch, hs, pk_h, backend=kb)
             rows = jnp.concatenate([h_blk, jnp.where(pk_valid[..., None], pk_h, hs)], axis=1)
         else:
-            hs_new, rows = hs, h_blk
+            store_new, rows = (), h_blk
         q, k, v = M.project_qkv(lp, rows, cfg)
         kk = lax.dynamic_update_slice_in_dim(kcache, k[:, :, :block], geo.cs, axis=2)
         vv = lax.dynamic_update_slice_in_dim(vcache, v[:, :, :block], geo.cs, axis=2)
@@ -394,7 +414,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         else:
             carry = (h_blk, pk_h, pk_valid, last_qk)
             stats = (jnp.full((b, kdim), -jnp.inf), zeros_k, zeros_k, jnp.zeros((b,), jnp.int32))
-        return carry, ((kk, vv, hs_new, cent, s_prev), stats)
+        return carry, ((kk, vv, store_new, cent, s_prev), stats)
 
     r_rows = pre + suf
     dt = h_blk0.dtype
@@ -405,9 +425,12 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         fhas_all = jnp.zeros((n_layers, b), bool)
     else:
         fsel_all, fhas_all = forced
-    xs = (params["blocks"], state.k_cache, state.v_cache, pol.hs, pol.labels, pol.centroids, pol.counts,
+    # the store enters the layer scan only when it is read (a step without refresh leaves it where it is)
+    store = (pol.hs, pol.hs_scale) if refresh else ()
+    xs = (params["blocks"], state.k_cache, state.v_cache, store, pol.labels, pol.centroids, pol.counts,
           pol.n_clusters, pol.s_prev, fsel_all, fhas_all, jnp.arange(n_layers))
-    carry, ((kk, vv, hs, cent, s_prev), (score, sel_c, own, n_rows)) = lax.scan(layer, carry0, xs)
+    carry, ((kk, vv, store, cent, s_prev), (score, sel_c, own, n_rows)) = lax.scan(layer, carry0, xs)
+    hs, hs_scale = store if refresh else (pol.hs, pol.hs_scale)
     h_blk, pk_h, pk_valid, (q_last, k_last) = carry
     drift, p_blk = kl_drift(q_last, k_last, state.key_valid, pol.p_prev, mode="token", backend=kb)
     logits = M.lm_head(params, h_blk, cfg)
@@ -417,7 +440,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     else:
         logits_suf = jnp.zeros((b, suf, logits.shape[-1]), jnp.float32)
         sel_suf = jnp.zeros((b, suf), bool)
-    return StepFwd(kk, vv, hs, cent, s_prev, p_blk, drift, logits, logits_suf, sel_suf, score, sel_c, own, n_rows)
+    return StepFwd(kk, vv, hs, hs_scale, cent, s_prev, p_blk, drift, logits, logits_suf, sel_suf, score, sel_c, own, n_rows)
 
 
 # ------------------------------------------------------------------------------------------ the block
@@ -446,7 +469,8 @@ def block_start(params, state: DecodeState, block_idx, threshold, cfg: ModelConf
     out = lax.cond(windowed, run(True), run(False)) if period else run(False)()
     pol = state.polestar
     # (the windowed pass keeps the K/V outside the window; the refresh rows are all inside it)
-    new_pol = pol.replace(hs=out.hs, labels=out.clusters.labels, centroids=out.clusters.centroids,
+    new_pol = pol.replace(hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels,
+                          centroids=out.clusters.centroids,
                           counts=out.clusters.counts, n_clusters=out.clusters.n, s_prev=out.s_prev,
                           p_prev=out.p_prev, hist=jnp.zeros_like(pol.hist), hist_fill=jnp.zeros_like(pol.hist_fill),
                           counter=jnp.zeros_like(pol.counter))
@@ -514,7 +538,8 @@ def decode_step(params, state: DecodeState, block_idx, threshold, cfg: ModelConf
 
     n_commit = jnp.sum(transfer, axis=1).astype(jnp.int32)
     new_pol = pol.replace(
-        hs=out.hs, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk, hist=hist, hist_fill=fill,
+        hs=out.hs, hs_scale=out.hs_scale, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk,
+        hist=hist, hist_fill=fill,
         counter=counter, last_commits=n_commit,
         cluster_steps=pol.cluster_steps.at[:, block_idx].add(cluster.astype(jnp.int32)),
         early=pol.early + jnp.sum(early & ~thr, axis=1).astype(jnp.int32),

@@ -1,0 +1,116 @@
+"""Where and how Polestar's hidden-state store lives (:attr:`PolestarConfig.offload_hidden`).
+
+The store holds the layer-input hidden states of the refresh rows, ``[N, b, R, D]`` (``R`` = prefix + suffix
+window rows; see :class:`polestar_jax.polestar.PolestarCache`). It is read and written only by a refresh
+step and rewritten by each block-start pass, so it need not sit in device memory:
+
+* ``"none"``: the model dtype in device memory (exact).
+* ``"int8"``: symmetric int8 with one float32 scale per row (:func:`polestar_jax.kernels.refresh.quantize_rows`),
+  in host memory.
+* ``"bf16"``: bfloat16, in host memory.
+
+Placement uses JAX memory kinds: the stored arrays carry ``memory_kind="pinned_host"`` between blocks (the
+engine places the initial store there, and the jitted block keeps it there); inside a step the block-start
+pass moves each layer's encoded rows to the host as it produces them, and a refresh step moves one layer's
+rows to the device when that layer runs (``jax.device_put(x, jax.memory.Space.Device)`` inside the layer
+scan), so the device holds one layer's rows at a time instead of all ``N``. XLA turns the placements into
+asynchronous host<->device copies that overlap the layer's compute (they are the
+``annotate_device_placement`` custom calls of the lowered module). Where the backend has no
+``pinned_host`` memory the store stays in device memory, still quantised, with a warning.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.kernels.refresh import dequantize_rows, quantize_rows
+
+HOST_MEMORY_KIND = "pinned_host"
+
+__all__ = ["HOST_MEMORY_KIND", "host_memory_available", "uses_host", "store_dtype", "encode", "decode",
+           "to_host", "to_device", "place_store", "store_bytes"]
+
+
+@functools.lru_cache(maxsize=None)
+def host_memory_available(platform: Optional[str] = None) -> bool:
+    """Whether the default device (of ``platform``) has ``pinned_host`` memory."""
+    try:
+        dev = jax.devices(platform)[0] if platform else jax.devices()[0]
+        return any(m.kind == HOST_MEMORY_KIND for m in dev.addressable_memories())
+    except Exception:  # noqa: BLE001 - a backend without memory spaces
+        return False
+
+
+def uses_host(pc: PolestarConfig) -> bool:
+    """True when the store is offloaded and this backend can hold it in host memory."""
+    return pc.offload_hidden != "none" and host_memory_available()
+
+
+def store_dtype(pc: PolestarConfig, model_dtype) -> jnp.dtype:
+    return {"none": jnp.dtype(model_dtype), "int8": jnp.dtype(jnp.int8),
+            "bf16": jnp.dtype(jnp.bfloat16)}[pc.offload_hidden]
+
+
+def encode(h: jax.Array, pc: PolestarConfig) -> tuple[jax.Array, jax.Array]:
+    """Hidden states ``h`` [..., D] -> (stored [..., D], scale [...] float32; zeros unless int8)."""
+    if pc.offload_hidden == "int8":
+        return quantize_rows(h)
+    scale = jnp.zeros(h.shape[:-1], jnp.float32)
+    if pc.offload_hidden == "bf16":
+        return h.astype(jnp.bfloat16), scale
+    return h, scale
+
+
+def decode(stored: jax.Array, scale: jax.Array, pc: PolestarConfig, dtype) -> jax.Array:
+    """Inverse of :func:`encode` into ``dtype``."""
+    if pc.offload_hidden == "int8":
+        return dequantize_rows(stored, scale, dtype)
+    return stored.astype(dtype)
+
+
+def to_host(x: jax.Array, pc: PolestarConfig) -> jax.Array:
+    """Inside a jitted step: ``x`` placed in host memory when the store is offloaded (else unchanged)."""
+    return jax.device_put(x, jax.memory.Space.Host) if uses_host(pc) else x
+
+
+def to_device(x: jax.Array, pc: PolestarConfig) -> jax.Array:
+    """Inside a jitted step: ``x`` moved to device memory when the store is offloaded (else unchanged)."""
+    return jax.device_put(x, jax.memory.Space.Device) if uses_host(pc) else x
+
+
+def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple[jax.Array, jax.Array]:
+    """Outside jit: the initial store arrays moved to ``pinned_host`` memory (keeping their sharding) when
+    offloading; warns once and keeps them in device memory where the backend has no host memory kind."""
+    if pc.offload_hidden == "none":
+        return hs, hs_scale
+    if not host_memory_available():
+        _warn_no_host(jax.default_backend())
+        return hs, hs_scale
+    put = lambda a: jax.device_put(a, a.sharding.with_memory_kind(HOST_MEMORY_KIND))
+    return put(hs), put(hs_scale)
+
+
+def _warn_no_host(backend: str) -> None:
+    warnings.warn(f"backend {backend!r} has no '{HOST_MEMORY_KIND}' memory: the offloaded Polestar hidden "
+                  "states stay in device memory (still in the offload dtype)", RuntimeWarning, stacklevel=3)
+
+
+def store_bytes(cfg: ModelConfig, pc: PolestarConfig, block: int, model_dtype="bfloat16",
+                batch: int = 1) -> dict[str, int]:
+    """Bytes of the hidden-state store for ``batch`` sequences: ``total`` (stored + scales), ``device``
+    (resident in device memory between refreshes), ``device_transient`` (one layer's rows on the device
+    during a refresh when offloaded) and ``host``."""
+    r = (pc.prefix_blocks + pc.suffix_blocks) * block
+    rows = cfg.n_layers * batch * r
+    item = np.dtype(store_dtype(pc, jnp.dtype(model_dtype))).itemsize
+    total = rows * cfg.d_model * item + (rows * 4 if pc.offload_hidden == "int8" else 0)
+    host = pc.offload_hidden != "none"
+    per_layer = total // cfg.n_layers
+    return {"total": total, "device": 0 if host else total, "device_transient": per_layer if host else 0,
+            "host": total if host else 0, "rows": rows}

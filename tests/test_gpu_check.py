@@ -1,0 +1,110 @@
+"""``bench/gpu_check.py``: its ``--smoke`` path in-process (tiny shapes, this CPU: ``pallas`` = the Pallas
+interpreter), the time guard, and that the 8B-shaped steps it times on a GPU trace and lower for ``cuda``."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # ``bench`` is a top-level folder of the repo, not an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import gpu_check as G  # noqa: E402
+
+# the four step kinds of the check plus the LM head (per-layer columns) and Polestar's block-start pass
+SMOKE_ARGS = ["--smoke", "--layers", "1", "--repeats", "2", "--warmup", "1", "--hard-stop-s", "0"]
+
+
+def test_gpu_check_smoke(tmp_path, capsys):
+    out = tmp_path / "gpu_check.json"
+    assert G.main(SMOKE_ARGS + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+
+    assert data["benchmark"] == "gpu_check" and data["date"] and data["jax_version"] == jax.__version__
+    assert data["device_kind"] == jax.devices()[0].device_kind and data["smoke"] is True
+    assert not data["stopped_early"] and data["skipped"] == []
+    if jax.default_backend() == "cpu":
+        assert data["is_gpu"] is False and "not a GPU" in data["note"] and "NOT A GPU" in printed
+        assert set(data["kernels_resolved"]["pallas"].values()) == {"interpret"}
+    assert set(data["kernels_resolved"]["reference"].values()) == {"reference"}
+    c = data["config"]
+    assert (c["layers"], c["d_model"], c["model_layers"], c["peak_hbm_gbs"], c["peak_tflops"]) == (1, 128, 32, 4800, 989)
+
+    rows = {(r["kind"], r["kernels"]): r for r in data["results"]}
+    want = {("lm_head", "none"), ("full", "none"), ("polestar_start", "none"), ("dual_step", "none")}
+    want |= {(k, m) for k in G.KERNEL_KINDS for m in ("pallas", "reference")}
+    assert set(rows) == want
+    for (kind, kernels), r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["ms_median"] > 0 and r["compile_seconds"] > 0 and r["reps"] == 2 and len(r["ms_runs"]) == 2
+        assert r["bytes"] > 0 and r["flops"] > 0 and r["achieved_gb_s"] > 0 and r["achieved_tflop_s"] > 0
+        assert r["bound"] in ("memory", "compute") and 0 < r["roofline_fraction"] and r["roofline_ms"] > 0
+        assert r["bytes"] == r["bytes_model"]["total"]
+        if kind != "lm_head":
+            pl = r["per_layer"]
+            assert pl["head_subtracted"] and pl["bytes"] > 0 and pl["flops"] > 0 and pl["ms"] >= 0
+            assert r["est_model_depth_ms"] > 0
+            assert r["bytes_model"]["per_layer"]["weights"] > 0 and r["bytes_model"]["per_layer"]["kv"] > 0
+            # XLA's count and the matmul formula agree roughly (XLA adds softmax, norms, k-means, ...)
+            assert 0.8 < r["flops"] / r["flops_analytic"] < 1.6, (kind, r["flops"], r["flops_analytic"])
+    assert rows[("full", "none")]["query_rows"] == c["L"] and rows[("dual_step", "none")]["query_rows"] == c["B"]
+    ref, step = rows[("polestar_refresh_step", "reference")], rows[("polestar_step", "reference")]
+    assert ref["query_rows"] == c["B"] + c["R"] > step["query_rows"] and ref["head_calls"] == 2
+    assert ref["bytes"] > step["bytes"] and ref["flops"] > step["flops"]
+    assert set(data["pallas_over_reference"]) == set(G.KERNEL_KINDS)
+    assert all(v > 0 for v in data["pallas_over_reference"].values())
+    assert "| kind | kernels | ms |" in printed and "polestar_refresh_step" in printed
+
+
+def test_gpu_check_time_guard(tmp_path):
+    """Past the budget nothing more starts; the JSON is written with what there is (here: nothing)."""
+    out = tmp_path / "g.json"
+    assert G.main(SMOKE_ARGS + ["--budget-s", "0", "--kinds", "lm_head,dual_step", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["stopped_early"] and data["results"] == [] and data["skipped"] == ["lm_head/none", "dual_step/none"]
+
+
+def test_gpu_check_8b_bytes_model():
+    cc = G.CheckConfig(layers=4)
+    cfg, model_layers = G.model_config(cc)
+    assert (cfg.d_model, cfg.n_heads, cfg.mlp_hidden_size, cfg.embedding_size, cfg.n_layers, model_layers) == (
+        4096, 32, 12288, 126464, 4, 32)
+    bm = G.bytes_model("dual_step", cfg, cc)
+    assert bm["per_layer"]["weights"] == (4 * 4096 * 4096 + 3 * 4096 * 12288 + 2 * 4096) * 2  # 436 MB bf16
+    assert bm["per_layer"]["kv"] == 2 * 32 * 512 * 128 * 2 + 2 * 32 * 32 * 128 * 2  # cache read + block rows
+    assert bm["total"] == 4 * bm["per_layer_total"] + bm["once_total"]
+    assert bm["once"]["lm_head"] >= 4096 * 126464 * 2
+    refresh = G.bytes_model("polestar_refresh_step", cfg, cc)
+    assert refresh["once"]["lm_head"] > 2 * 4096 * 126464 * 2  # block and suffix logits: two head calls
+
+
+@pytest.mark.parametrize("kind", G.KINDS)
+def test_gpu_check_8b_shapes_lower_for_cuda(kind):
+    """Every kind at the real 8B shapes (1 layer, L 512, block 32) traces, keeps its state's structure (so
+    the donated state can be fed back) and, for the Polestar steps with ``pallas``, lowers for cuda with
+    Triton kernels: what the H200 run will compile, checked from this CPU."""
+    cc = G.CheckConfig(layers=1)
+    cfg, _ = G.model_config(cc)
+    params = jax.eval_shape(lambda: G.M.init_params(cfg, jax.random.key(0, impl="rbg"), dtype=jnp.bfloat16))
+    if kind == "lm_head":
+        state = jax.ShapeDtypeStruct((1, cc.block_length, cfg.d_model), jnp.bfloat16)
+    else:
+        state = jax.eval_shape(lambda: G.make_state(cfg, cc, polestar=kind.startswith("polestar")))
+    cs = jax.ShapeDtypeStruct((), jnp.int32)
+    for kernels in (G.KERNEL_MODES if kind in G.KERNEL_KINDS else ("none",)):
+        fn = G.step_fn(kind, cfg, cc, kernels)
+        _, new_state = jax.eval_shape(fn, params, state, cs)
+        assert jax.tree.structure(new_state) == jax.tree.structure(state)
+        assert all(a.shape == b.shape and a.dtype == b.dtype
+                   for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)))
+        if kernels == "pallas":
+            checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+            mlir = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+                params, state, cs).mlir_module()
+            assert "__gpu$xla.gpu.triton" in mlir

@@ -1,0 +1,204 @@
+"""Polestar's hidden-state store offload (``PolestarConfig.offload_hidden``, :mod:`polestar_jax.offload`):
+int8 / bf16 encodings, placement in ``pinned_host`` memory, the refresh patching only selected rows, the
+lowered GPU module's placement annotations, and the fallback where a backend has no host memory."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from polestar_jax import offload as OF
+from polestar_jax import polestar as PS
+from polestar_jax.checkpoint import load_model
+from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
+from polestar_jax.engine import generate
+from polestar_jax.state import init_state
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")
+MODES = ("none", "int8", "bf16")
+GEN, BLOCK = 32, 8
+
+
+@pytest.fixture(scope="module")
+def tiny_p():
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return load_model(DATA, dtype="float32")
+
+
+def test_encode_decode_roundtrip():
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((2, 5, 33)).astype(np.float32) * rng.uniform(0.1, 30, (2, 5, 1)))
+    h = h.at[1, 2].set(0.0)  # an all-zero row
+    for mode in MODES:
+        pc = PolestarConfig(offload_hidden=mode)
+        q, s = OF.encode(h, pc)
+        assert q.dtype == OF.store_dtype(pc, jnp.float32) and s.shape == h.shape[:-1]
+        back = np.asarray(OF.decode(q, s, pc, jnp.float32))
+        err = np.abs(back - np.asarray(h))
+        absmax = np.abs(np.asarray(h)).max(-1, keepdims=True)
+        if mode == "none":
+            assert err.max() == 0
+        elif mode == "int8":
+            assert q.dtype == jnp.int8
+            assert (err <= absmax / 254 * (1 + 1e-5) + 1e-12).all()  # half a quantisation step
+            assert (back[1, 2] == 0).all()
+        else:
+            assert (err <= np.abs(np.asarray(h)) * 2.0 ** -8 + 1e-30).all()
+
+
+def _start_state(cfg, pc, prompts, dtype=jnp.float32, place=True):
+    dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK, polestar=pc)
+    slot = max(len(p) for p in prompts)
+    st = init_state(prompts, cfg, GEN, slot, dc.num_blocks, list(range(len(prompts))), cache=True, dtype=dtype)
+    pol = PS.init_cache(cfg, pc, len(prompts), st.x.shape[1], BLOCK, dc.num_blocks, dtype)
+    hs, sc = OF.place_store(pol.hs, pol.hs_scale, pc) if place else (pol.hs, pol.hs_scale)
+    return st.replace(polestar=pol.replace(hs=hs, hs_scale=sc))
+
+
+PROMPTS = [[5, 17, 33, 2, 99, 140, 7, 61, 8, 200, 13, 4, 9, 11, 12, 80], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def _after_start(params, cfg, pc):
+    st = _start_state(cfg, pc, PROMPTS)
+    f = jax.jit(lambda p, s: PS.block_start(p, s, jnp.int32(1), 0.9, cfg, pc, BLOCK, GEN, None))
+    return f(params, st)
+
+
+@pytest.fixture(scope="module")
+def started(tiny_p):
+    cfg, params = tiny_p
+    return {m: _after_start(params, cfg, PolestarConfig(offload_hidden=m)) for m in MODES}
+
+
+def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
+    cfg, _ = tiny_p
+    exact = np.asarray(started["none"].polestar.hs)
+    assert np.abs(exact).max() > 0
+    for mode in ("int8", "bf16"):
+        pol = started[mode].polestar
+        pc = PolestarConfig(offload_hidden=mode)
+        assert pol.hs.dtype == OF.store_dtype(pc, jnp.float32)
+        if OF.host_memory_available():
+            assert pol.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
+            assert pol.hs_scale.sharding.memory_kind == OF.HOST_MEMORY_KIND
+        back = np.asarray(OF.decode(jnp.asarray(np.asarray(pol.hs)), jnp.asarray(np.asarray(pol.hs_scale)),
+                                    pc, jnp.float32))
+        tol = np.abs(exact).max(-1, keepdims=True) / 254 if mode == "int8" else np.abs(exact) * 2.0 ** -8
+        assert (np.abs(back - exact) <= tol * (1 + 1e-5) + 1e-12).all(), mode
+    # everything else of the block start is the exact pass (the store is only written there)
+    for name in ("labels", "n_clusters", "counts"):
+        for mode in ("int8", "bf16"):
+            np.testing.assert_array_equal(getattr(started[mode].polestar, name), getattr(started["none"].polestar, name))
+    assert started["none"].polestar.hs.sharding.memory_kind != OF.HOST_MEMORY_KIND or not OF.host_memory_available()
+
+
+def test_refresh_patches_only_selected_rows(tiny_p, started):
+    """A refresh step rewrites exactly the rows it recomputed; every other stored row keeps its bits, and
+    the int8 store tracks the exact one within quantisation noise."""
+    cfg, params = tiny_p
+    outs = {}
+    for mode in ("none", "int8"):
+        pc = PolestarConfig(offload_hidden=mode)
+        st = started[mode]
+        cs = st.x.shape[1] - GEN + BLOCK
+
+        def f(p, s):
+            geo = PS.geometry(s, jnp.int32(cs), BLOCK, pc)
+            return PS.step_forward(p, s, geo, cfg, pc, BLOCK, True, jnp.ones((2,), bool), None)
+
+        outs[mode] = jax.jit(f)(params, st)
+        old_q, new_q = np.asarray(st.polestar.hs), np.asarray(outs[mode].hs)
+        old_s, new_s = np.asarray(st.polestar.hs_scale), np.asarray(outs[mode].hs_scale)
+        changed = (old_q != new_q).any(-1) | (old_s != new_s)  # [N, b, R]
+        labels = np.asarray(st.polestar.labels)
+        assert changed.any(), "no row refreshed"
+        assert not changed[0].any(), "layer 0's inputs (embeddings) are never patched"
+        assert (labels[changed] >= 0).all(), "only clustered rows are patched"
+        assert changed.sum() < changed.size
+        if mode == "int8" and OF.host_memory_available():
+            assert outs[mode].hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
+    exact = np.asarray(outs["none"].hs)
+    back = np.asarray(OF.decode(jnp.asarray(np.asarray(outs["int8"].hs)), jnp.asarray(np.asarray(outs["int8"].hs_scale)),
+                                PolestarConfig(offload_hidden="int8"), jnp.float32))
+    scale = np.abs(exact).max(-1, keepdims=True)
+    assert (np.abs(back - exact) <= 0.05 * scale + 1e-6).all()
+
+
+def test_generate_with_offload(tiny_p):
+    cfg, params = tiny_p
+    prompt = PROMPTS[0]
+    res = {}
+    for mode in MODES:
+        dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK,
+                          polestar=PolestarConfig(offload_hidden=mode))
+        res[mode] = generate(params, cfg, [prompt, PROMPTS[1]], dc, seed=1)
+        assert (res[mode].tokens != cfg.mask_token_id).all()
+        assert int(res[mode].polestar["cluster_steps"].sum()) > 0  # the refresh (and its store reads) ran
+    for mode in ("int8", "bf16"):
+        agree = float(np.mean(res[mode].tokens == res["none"].tokens))
+        assert agree >= 0.75, (mode, agree)
+
+
+def test_offload_placement_annotations_in_gpu_export(tiny_p):
+    """The whole block step exported for cuda: with int8 offload the store arguments/results carry
+    ``memory_kind = "pinned_host"`` and the module moves layers with ``annotate_device_placement``; without
+    offload neither appears."""
+    from polestar_jax.step import EngineSpec, Knobs, run_block
+
+    cfg, params = tiny_p
+    texts = {}
+    for mode in ("none", "int8"):
+        pc = PolestarConfig(offload_hidden=mode)
+        dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK, polestar=pc)
+        state = jax.eval_shape(lambda: _start_state(cfg, pc, PROMPTS, place=False))
+        if mode == "int8":
+            dev = jax.devices()[0]
+            host = jax.sharding.SingleDeviceSharding(dev, memory_kind=OF.HOST_MEMORY_KIND)
+            put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
+            state = state.replace(polestar=state.polestar.replace(hs=put(state.polestar.hs),
+                                                                  hs_scale=put(state.polestar.hs_scale)))
+        abstract_params = jax.eval_shape(lambda: params)
+        knobs = jax.eval_shape(lambda: Knobs.from_config(dc))
+        checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]  # the Pallas kernels
+        exp = jax.export.export(jax.jit(run_block, static_argnames=("spec",)), platforms=["cuda"],
+                                disabled_checks=checks)(
+            abstract_params, state, jax.ShapeDtypeStruct((), jnp.int32), knobs, None,
+            spec=EngineSpec.from_config(cfg, dc))
+        texts[mode] = exp.mlir_module()
+    t = texts["int8"]
+    assert 'mhlo.memory_kind = "pinned_host"' in t
+    assert '_xla_buffer_placement = "pinned_host"' in t and '_xla_buffer_placement = "device"' in t
+    assert "tensor<2x2x24x32xi8>" in t or "xi8>" in t
+    assert "pinned_host" not in texts["none"] and "annotate_device_placement" not in texts["none"]
+
+
+def test_backend_without_host_memory_falls_back(monkeypatch, tiny_p):
+    cfg, _ = tiny_p
+    monkeypatch.setattr(OF, "host_memory_available", lambda platform=None: False)
+    pc = PolestarConfig(offload_hidden="int8")
+    assert not OF.uses_host(pc)
+    hs = jnp.zeros((2, 1, 4, 8), jnp.int8)
+    sc = jnp.zeros((2, 1, 4), jnp.float32)
+    with pytest.warns(RuntimeWarning, match="pinned_host"):
+        hs2, sc2 = OF.place_store(hs, sc, pc)
+    assert hs2.sharding.memory_kind != OF.HOST_MEMORY_KIND and hs2.dtype == jnp.int8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OF.place_store(hs, sc, PolestarConfig())  # no offload: no warning
+    # the traced step carries no placement when the backend cannot hold it
+    text = jax.jit(lambda x: OF.to_host(x, pc)).lower(hs).as_text()
+    assert "annotate_device_placement" not in text
+
+
+def test_store_bytes_8b():
+    cfg = ModelConfig.from_json(os.path.join(os.path.dirname(__file__), "data", "llada8b_config.json"))
+    n, d, r = cfg.n_layers, cfg.d_model, 3 * 32
+    none = OF.store_bytes(cfg, PolestarConfig(), 32, "bfloat16")
+    i8 = OF.store_bytes(cfg, PolestarConfig(offload_hidden="int8"), 32, "bfloat16")
+    assert none["device"] == none["total"] == n * r * d * 2 and none["host"] == 0
+    assert i8["device"] == 0 and i8["host"] == i8["total"] == n * r * (d + 4)
+    assert i8["device_transient"] == r * (d + 4)
