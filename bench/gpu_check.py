@@ -189,7 +189,7 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str) -> Calla
             geo = PS.geometry(s, cs, B, pc)
             draws = PS.block_start_draws(s, geo, cfg, pc, B, None)
             out = PS.start_pass(p, s, geo, cfg, pc, B, False, draws)
-            pol = s.polestar.replace(hs=out.hs, labels=out.clusters.labels, centroids=out.clusters.centroids,
+            pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels, centroids=out.clusters.centroids,
                                      counts=out.clusters.counts, n_clusters=out.clusters.n, s_prev=out.s_prev,
                                      p_prev=out.p_prev)
             return out.logits, s.replace(k_cache=out.k, v_cache=out.v, polestar=pol)
@@ -201,7 +201,7 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str) -> Calla
             geo = PS.geometry(s, cs, B, pc)
             rows = jnp.ones((s.x.shape[0],), bool)
             out = PS.step_forward(p, s, geo, cfg, pc, B, refresh, rows, None)
-            pol = s.polestar.replace(hs=out.hs, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk)
+            pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk)
             return (out.logits, out.logits_suf, out.drift), s.replace(k_cache=out.k, v_cache=out.v, polestar=pol)
         return step
     raise ValueError(f"unknown step kind {kind!r}")

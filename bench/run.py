@@ -197,11 +197,11 @@ def _forward_flops(params, mcfg: ModelConfig, slot: int, gen_length: int, block_
             for f in rows}
 
 
-def _gflops_per_position(d: Decoder, nfe: int, refresh: int, n_items: int, n_blocks: int, gen_length: int,
+def _gflops_per_position(d: Decoder, nfe: int, refresh: int, starts: int, n_items: int, gen_length: int,
                          by: dict[str, float]) -> float:
-    """Total FLOPs of the forwards run / generated positions. Every block starts with one full pass
-    (Polestar's windowed passes counted as full ones, an upper bound)."""
-    starts = n_items * n_blocks
+    """Total FLOPs of the forwards run / generated positions. ``starts`` block-start passes run as full
+    passes (Polestar's windowed passes counted as full ones, an upper bound; a block that suffix commits
+    filled ahead has none), the other forwards as the decoder's step kind."""
     if d.cache == "none":
         total = nfe * by["full"]
     elif d.decoder == "polestar":
@@ -225,14 +225,16 @@ def _row(d: Decoder, task: str, idx: Sequence[int], res: dict, seconds: float, f
         "tpf_all_positions": gen_length * len(idx) / max(1, nfe),
         "non_eos_tokens": non_eos,
     }
+    starts = len(idx) * n_blocks  # Fast-dLLM's cached decoders start every block with a full pass
     if d.decoder == "polestar":
         ref, steps = sum(sel("refresh")), sum(sel("steps"))
+        starts = nfe - steps  # blocks Polestar processed (a block filled ahead by suffix commits has none)
         row.update(refresh_rate=ref / max(1, steps), refresh_steps=ref / len(idx),
                    early_commits=sum(sel("early")) / len(idx), suffix_commits=sum(sel("suffix")) / len(idx))
     else:
         ref = 0
     if flops_by is not None:
-        row["gflops_per_token"] = _gflops_per_position(d, nfe, ref, len(idx), n_blocks, gen_length, flops_by)
+        row["gflops_per_token"] = _gflops_per_position(d, nfe, ref, starts, len(idx), gen_length, flops_by)
     return row
 
 
@@ -243,8 +245,10 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
     mcfg, params = load_model(model_dir)
     tok = load_tokenizer(model_dir)
     gd = generation_defaults(model_dir)
-    gen_length = rc.gen_length or gd.get("gen_length") or 32
-    block_length = rc.block_length or gd.get("block_length") or 8
+    gen_length = rc.gen_length if rc.gen_length is not None else gd.get("gen_length", 32)
+    block_length = rc.block_length if rc.block_length is not None else gd.get("block_length", 8)
+    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
+        raise PolestarError(f"gen length {gen_length} must be a positive multiple of block length {block_length}")
     unknown = sorted(set(rc.decoders) - set(DECODER_NAMES))
     if unknown:
         raise PolestarError(f"unknown decoder(s) {', '.join(unknown)} (choose from {', '.join(DECODER_NAMES)})")

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from polestar_jax.config import CACHES, DECODERS, REMASKING, DecodeConfig, ModelConfig
+from polestar_jax.config import CACHES, DECODERS, OFFLOAD_HIDDEN, REMASKING, DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
 
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--windowed-period", type=int, default=4,
                    help="every n-th block starts with a windowed pass (0: always a full pass)")
     g.add_argument("--no-suffix-commit", action="store_true", help="disable suffix pre-commit")
-    g.add_argument("--offload-hidden", default="none", choices=["none", "int8", "bf16"],
+    g.add_argument("--offload-hidden", default="none", choices=list(OFFLOAD_HIDDEN),
                    help="store the refresh rows' hidden states int8 (per-row scales) or bf16 in host memory "
                         "(pinned_host) instead of exact in device memory")
     g.add_argument("--kernels", default="auto", choices=["auto", "pallas", "interpret", "reference"],

@@ -86,7 +86,8 @@ def to_device(x: jax.Array, pc: PolestarConfig) -> jax.Array:
 
 def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple[jax.Array, jax.Array]:
     """Outside jit: the initial store arrays moved to ``pinned_host`` memory (keeping their sharding) when
-    offloading; warns once and keeps them in device memory where the backend has no host memory kind."""
+    offloading; warns (once per call site, Python's default warning filter) and keeps them in device memory
+    where the backend has no host memory kind."""
     if pc.offload_hidden == "none":
         return hs, hs_scale
     if not host_memory_available():
@@ -109,7 +110,7 @@ def store_bytes(cfg: ModelConfig, pc: PolestarConfig, block: int, model_dtype="b
     r = (pc.prefix_blocks + pc.suffix_blocks) * block
     rows = cfg.n_layers * batch * r
     item = np.dtype(store_dtype(pc, jnp.dtype(model_dtype))).itemsize
-    total = rows * cfg.d_model * item + (rows * 4 if pc.offload_hidden == "int8" else 0)
+    total = rows * cfg.d_model * item + rows * 4  # + the float32 per-row scales (allocated in every mode)
     host = pc.offload_hidden != "none"
     per_layer = total // cfg.n_layers
     return {"total": total, "device": 0 if host else total, "device_transient": per_layer if host else 0,

@@ -76,6 +76,14 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
         return s
 
     state = jax.eval_shape(build)
+    if dcfg.decoder == "polestar" and dcfg.polestar.offload_hidden != "none":
+        from polestar_jax import offload as OF
+
+        if OF.host_memory_available():  # compile with the store where the engine puts it
+            host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=OF.HOST_MEMORY_KIND)
+            put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
+            state = state.replace(polestar=state.polestar.replace(hs=put(state.polestar.hs),
+                                                                  hs_scale=put(state.polestar.hs_scale)))
     kv = _nbytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
     hs = other = transient = 0
     hs_memory = "device"

@@ -339,11 +339,32 @@ class StepFwd(NamedTuple):
     n_rows: jax.Array  # [N, b]
 
 
+#: Low mantissa bits dropped from cluster scores before ranking: scores are compared at a relative
+#: precision of 2**-15 (~3e-5).
+SCORE_ROUND_BITS = 8
+
+
+def round_scores(scores: jax.Array, bits: int = SCORE_ROUND_BITS) -> jax.Array:
+    """float32 ``scores`` rounded to nearest with the ``bits`` lowest mantissa bits cleared (infinities kept).
+
+    Clusters made of identical rows (e.g. all-[MASK] suffix rows at layer 0) have mathematically equal drift
+    scores, but float rounding makes them differ in the last bits, and *how* depends on the shapes XLA
+    blocks the matmuls for (batch size, backend): without this, a row's refresh choice -- and so its tokens
+    -- could change with the batch it is decoded in (spec J14). Within one rounding bucket the lowest index
+    wins, as for exact ties."""
+    x = scores.astype(jnp.float32)
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    half, mask = jnp.uint32(1 << (bits - 1)), jnp.uint32((0xFFFFFFFF >> bits) << bits)
+    r = lax.bitcast_convert_type((u + half) & mask, jnp.float32)
+    return jnp.where(jnp.isfinite(x), r, x)
+
+
 def top_clusters(scores: jax.Array, n_valid: jax.Array, m: int) -> jax.Array:
-    """The ``min(m, n_valid)`` highest scores [b, K] as a mask; exact ties go to the lowest index."""
+    """The ``min(m, n_valid)`` highest scores [b, K] as a mask; scores are compared after
+    :func:`round_scores`, and ties go to the lowest index."""
     k = scores.shape[-1]
     valid = jnp.arange(k)[None, :] < n_valid[:, None]
-    sc = jnp.where(valid, scores, -jnp.inf)
+    sc = jnp.where(valid, round_scores(scores), -jnp.inf)
     rank = R.rank_desc(sc)
     return valid & (rank < jnp.minimum(m, n_valid)[:, None])
 
@@ -382,6 +403,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
             new_q, new_s = OF.encode(pk_h, pc)  # unpatched rows keep their stored bits
             store_new = (OF.to_host(jnp.where(patch[..., None], new_q, st_q), pc),
                          OF.to_host(jnp.where(patch, new_s, st_s), pc))
+            # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
             cent = centroid_shift(cent, labels, counts, patch, hs, pk_h, backend=kb)
             rows = jnp.concatenate([h_blk, jnp.where(pk_valid[..., None], pk_h, hs)], axis=1)
         else:

@@ -74,7 +74,7 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
 
 
 def _batch_spec(name: str, leaf, mesh: Mesh) -> P:
-    layer_major = name in ("k_cache", "v_cache", "hs", "labels", "centroids", "counts", "n_clusters", "s_prev")
+    layer_major = name in ("k_cache", "v_cache", "hs", "hs_scale", "labels", "centroids", "counts", "n_clusters", "s_prev")
     if name in ("k_cache", "v_cache", "s_prev"):
         return _fit(leaf.shape, (None, "data", "model"), mesh)
     if name == "p_prev":

@@ -97,10 +97,12 @@ def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
 
 
 def test_refresh_patches_only_selected_rows(tiny_p, started):
-    """A refresh step rewrites exactly the rows it recomputed; every other stored row keeps its bits, and
-    the int8 store tracks the exact one within quantisation noise."""
+    """A refresh step rewrites only the rows of the clusters the previous layer selected (for rows that
+    refresh at all); every other stored row keeps its bits, and the int8 store tracks the exact one within
+    quantisation noise."""
     cfg, params = tiny_p
     outs = {}
+    rows = jnp.asarray([True, False])  # batch row 1 does not refresh in this step
     for mode in ("none", "int8"):
         pc = PolestarConfig(offload_hidden=mode)
         st = started[mode]
@@ -108,39 +110,53 @@ def test_refresh_patches_only_selected_rows(tiny_p, started):
 
         def f(p, s):
             geo = PS.geometry(s, jnp.int32(cs), BLOCK, pc)
-            return PS.step_forward(p, s, geo, cfg, pc, BLOCK, True, jnp.ones((2,), bool), None)
+            return PS.step_forward(p, s, geo, cfg, pc, BLOCK, True, rows, None)
 
-        outs[mode] = jax.jit(f)(params, st)
-        old_q, new_q = np.asarray(st.polestar.hs), np.asarray(outs[mode].hs)
-        old_s, new_s = np.asarray(st.polestar.hs_scale), np.asarray(outs[mode].hs_scale)
+        out = outs[mode] = jax.jit(f)(params, st)
+        old_q, new_q = np.asarray(st.polestar.hs), np.asarray(out.hs)
+        old_s, new_s = np.asarray(st.polestar.hs_scale), np.asarray(out.hs_scale)
         changed = (old_q != new_q).any(-1) | (old_s != new_s)  # [N, b, R]
-        labels = np.asarray(st.polestar.labels)
-        assert changed.any(), "no row refreshed"
+        # expected patch of layer l: rows clustered at l whose layer-(l-1) cluster was selected
+        labels = np.asarray(st.polestar.labels)  # [N, b, R]
+        sel = np.asarray(out.selected)  # [N, b, K]
+        picked = np.take_along_axis(sel, np.clip(labels, 0, sel.shape[-1] - 1), axis=2) & (labels >= 0)
+        expected = np.zeros_like(changed)
+        expected[1:] = picked[:-1] & (labels[1:] >= 0)
+        assert not sel[:, 1].any() and not changed[:, 1].any(), "a row that does not refresh keeps its store"
         assert not changed[0].any(), "layer 0's inputs (embeddings) are never patched"
-        assert (labels[changed] >= 0).all(), "only clustered rows are patched"
+        assert changed.any(), "no row refreshed"
+        assert not (changed & ~expected).any(), "only rows of selected clusters are patched"
+        assert changed.sum() >= 0.9 * expected.sum()  # (a patched row may round to its old bits)
         assert changed.sum() < changed.size
         if mode == "int8" and OF.host_memory_available():
-            assert outs[mode].hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
+            assert out.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
+    np.testing.assert_array_equal(np.asarray(outs["none"].selected), np.asarray(outs["int8"].selected))
     exact = np.asarray(outs["none"].hs)
-    back = np.asarray(OF.decode(jnp.asarray(np.asarray(outs["int8"].hs)), jnp.asarray(np.asarray(outs["int8"].hs_scale)),
+    back = np.asarray(OF.decode(jnp.asarray(np.asarray(outs["int8"].hs)),
+                                jnp.asarray(np.asarray(outs["int8"].hs_scale)),
                                 PolestarConfig(offload_hidden="int8"), jnp.float32))
     scale = np.abs(exact).max(-1, keepdims=True)
     assert (np.abs(back - exact) <= 0.05 * scale + 1e-6).all()
 
 
 def test_generate_with_offload(tiny_p):
+    """Whole generations with the int8 store: every token committed, the refresh ran, and a batch of rows
+    that finish blocks at different steps gives each row what it gets alone."""
     cfg, params = tiny_p
-    prompt = PROMPTS[0]
-    res = {}
-    for mode in MODES:
-        dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK,
-                          polestar=PolestarConfig(offload_hidden=mode))
-        res[mode] = generate(params, cfg, [prompt, PROMPTS[1]], dc, seed=1)
-        assert (res[mode].tokens != cfg.mask_token_id).all()
-        assert int(res[mode].polestar["cluster_steps"].sum()) > 0  # the refresh (and its store reads) ran
-    for mode in ("int8", "bf16"):
-        agree = float(np.mean(res[mode].tokens == res["none"].tokens))
-        assert agree >= 0.75, (mode, agree)
+    a, b = [5, 17, 33, 2, 99, 140, 7, 61, 8, 200, 13, 4], [3, 1, 4, 1, 5, 9, 2, 6]
+    dc = {"int8": DecodeConfig(decoder="polestar", cache="dual", gen_length=GEN, block_length=BLOCK,
+                               threshold=0.9, polestar=PolestarConfig(offload_hidden="int8"))}
+    batch = generate(params, cfg, [a, b], dc["int8"], seed=[3, 4], prompt_slot=16)
+    assert (batch.tokens != cfg.mask_token_id).all()
+    assert int(batch.polestar["cluster_steps"].sum()) > 0  # the refresh (and its store reads) ran
+    for r, (p, seed) in enumerate(((a, 3), (b, 4))):
+        alone = generate(params, cfg, [p], dc["int8"], seed=seed, prompt_slot=16)
+        np.testing.assert_array_equal(batch.tokens[r], alone.tokens[0])
+        np.testing.assert_array_equal(batch.nfe[r], alone.nfe[0])
+        for k in ("cluster_steps", "early", "suffix"):
+            np.testing.assert_array_equal(batch.polestar[k][r], alone.polestar[k][0])
+    # (how far int8 moves the output from the exact store is a benchmark question: bench.run's
+    # polestar-int8 row on the trained model; this random model's near-tied cluster scores amplify it)
 
 
 def test_offload_placement_annotations_in_gpu_export(tiny_p):
@@ -172,7 +188,8 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
     t = texts["int8"]
     assert 'mhlo.memory_kind = "pinned_host"' in t
     assert '_xla_buffer_placement = "pinned_host"' in t and '_xla_buffer_placement = "device"' in t
-    assert "tensor<2x2x24x32xi8>" in t or "xi8>" in t
+    n, r, d = cfg.n_layers, 3 * BLOCK, cfg.d_model
+    assert f"tensor<{n}x2x{r}x{d}xi8>" in t  # the int8 store [N, b, R, D] is an argument/result
     assert "pinned_host" not in texts["none"] and "annotate_device_placement" not in texts["none"]
 
 
@@ -199,6 +216,6 @@ def test_store_bytes_8b():
     n, d, r = cfg.n_layers, cfg.d_model, 3 * 32
     none = OF.store_bytes(cfg, PolestarConfig(), 32, "bfloat16")
     i8 = OF.store_bytes(cfg, PolestarConfig(offload_hidden="int8"), 32, "bfloat16")
-    assert none["device"] == none["total"] == n * r * d * 2 and none["host"] == 0
+    assert none["device"] == none["total"] == n * r * (d * 2 + 4) and none["host"] == 0
     assert i8["device"] == 0 and i8["host"] == i8["total"] == n * r * (d + 4)
     assert i8["device_transient"] == r * (d + 4)
