@@ -46,6 +46,9 @@ How to run (on one H200, from the repository root; about 3-6 minutes, most of it
     pip install -e . "jax[cuda12]>=0.10.2,<0.11"
     python -m bench.gpu_check --layers 4 --gen-length 256 --prompt-length 256 --block-length 32 \\
         --out bench/results/gpu_check_h200.json
+    # Polestar's hidden-state store int8 in pinned host memory (the step's host<->device copies included)
+    python -m bench.gpu_check --kinds polestar_start,polestar_step,polestar_refresh_step \\
+        --offload-hidden int8 --out bench/results/gpu_check_h200_int8.json
 
 It writes the JSON after every kind (``--out``, default ``gpu_check.json`` in the current folder), prints a
 markdown table, and stops early, keeping what it has, when the wall time passes ``--budget-s`` (default
@@ -118,6 +121,7 @@ class CheckConfig:
     kinds: tuple[str, ...] = KINDS
     model_config: str = LLADA_8B_CONFIG
     flops: bool = True  # XLA cost analysis of the unrolled lowering
+    offload_hidden: str = "none"  # Polestar's hidden-state store: none | int8 | bf16 (pinned_host memory)
 
 
 def _log(msg: str) -> None:
@@ -157,9 +161,13 @@ def make_state(cfg: ModelConfig, cc: CheckConfig, polestar: bool):
     state = init_state(prompts, cfg, cc.gen_length, cc.prompt_length, n_blocks,
                        [cc.seed + r for r in range(cc.batch)], cache=True, dtype=jnp.bfloat16)
     if polestar:
-        pc = PolestarConfig()
-        state = state.replace(polestar=PS.init_cache(cfg, pc, cc.batch, cc.prompt_length + cc.gen_length,
-                                                     cc.block_length, n_blocks, jnp.bfloat16))
+        from polestar_jax.offload import place_store
+
+        pc = PolestarConfig(offload_hidden=cc.offload_hidden)
+        pol = PS.init_cache(cfg, pc, cc.batch, cc.prompt_length + cc.gen_length, cc.block_length, n_blocks,
+                            jnp.bfloat16)
+        hs, hs_scale = place_store(pol.hs, pol.hs_scale, pc)  # host memory when offloaded, as the engine does
+        state = state.replace(polestar=pol.replace(hs=hs, hs_scale=hs_scale))
     return state
 
 
@@ -173,7 +181,7 @@ def _copy(tree):
 def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str) -> Callable:
     """``fn(params, state, cs) -> (outputs, state)`` of one step kind (``lm_head``: ``fn(params, h, cs)``)."""
     B = cc.block_length
-    pc = PolestarConfig(kernels="reference" if kernels == "none" else kernels)
+    pc = PolestarConfig(kernels="reference" if kernels == "none" else kernels, offload_hidden=cc.offload_hidden)
     if kind == "lm_head":
         return lambda p, h, cs: (M.lm_head(p, h, cfg), h)
     if kind in ("full", "dual_step"):
@@ -581,6 +589,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model-config", default=LLADA_8B_CONFIG, help="HF config.json of the model shape")
     ap.add_argument("--no-flops", action="store_true", help="skip XLA cost analysis (matmul formula only)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any backend, < 1 minute on a CPU")
+    ap.add_argument("--offload-hidden", default="none", choices=["none", "int8", "bf16"],
+                    help="Polestar's hidden-state store in host memory (run once with and once without)")
     args = ap.parse_args(argv)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     bad = [k for k in kinds if k not in KINDS]
@@ -592,7 +602,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      batch=args.batch, repeats=pick(args.repeats, 20, 2), warmup=pick(args.warmup, 2, 1),
                      seed=args.seed, budget_s=args.budget_s, peak_hbm_gbs=args.peak_hbm_gbs,
                      peak_tflops=args.peak_tflops, smoke=args.smoke, kinds=kinds, model_config=args.model_config,
-                     flops=not args.no_flops)
+                     flops=not args.no_flops, offload_hidden=args.offload_hidden)
     pc = PolestarConfig()
     if cc.gen_length % cc.block_length or cc.prompt_length < pc.prefix_blocks * cc.block_length:
         ap.error("gen length must be a multiple of the block length, and the prompt at least "

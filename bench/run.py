@@ -376,10 +376,11 @@ def frontier_plot(rows: list[dict], path: str) -> Optional[str]:
         return None
     pts = [r for r in rows if r["task"] == "all"]
     fig, ax = plt.subplots(figsize=(6, 4.2), dpi=120)
-    for r in pts:
-        ax.scatter(r["tps"], 100 * r["accuracy"], s=40)
-        ax.annotate(f"{r['decoder']}\nTPF {r['tpf']:.2f}", (r["tps"], 100 * r["accuracy"]), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+    markers = "osD^vP*X"
+    for i, r in enumerate(pts):  # a legend, not labels: decoders with equal accuracy sit side by side
+        ax.scatter(r["tps"], 100 * r["accuracy"], s=45, marker=markers[i % len(markers)],
+                   label=f"{r['decoder']} (TPF {r['tpf']:.2f})")
+    ax.legend(fontsize=7, loc="best")
     ax.set_xlabel("tokens/s (non-EOS, decode loop)")
     ax.set_ylabel("accuracy (%, mean over tasks)")
     ax.set_title("accuracy vs throughput")

@@ -56,7 +56,10 @@ from bench import tasks as T  # noqa: E402
 from polestar_jax import model as M  # noqa: E402
 from polestar_jax.checkpoint import param_shapes  # noqa: E402
 from polestar_jax.config import DecodeConfig, ModelConfig  # noqa: E402
-from polestar_jax.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer  # noqa: E402
+from polestar_jax.tokenizer import Tokenizer, asset_model_dir, load_tokenizer  # noqa: E402
+
+#: The bundled folder whose byte-level tokenizer and chat template the tiny model uses.
+TOKENIZER_SOURCE = "tiny_random"
 
 __all__ = ["TrainConfig", "model_config", "make_batch", "make_optimizer", "make_train_step", "train",
            "evaluate", "export", "main"]
@@ -327,7 +330,7 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
           command: Optional[str] = None, stop_at: Optional[int] = None, verbose: bool = True) -> dict:
     """Trains up to ``tc.steps`` (or ``stop_at``, for tests: stop and save there). Returns a dict with
     ``state`` (params, opt_state, step), ``meta`` (as saved) and ``losses`` ({step: loss} of this run)."""
-    tok = load_tokenizer(bundled_model_dir())
+    tok = load_tokenizer(asset_model_dir(TOKENIZER_SOURCE))
     mcfg = model_config(tc, tok)
     mngr = _ckpt_manager(out)
     state = init_state(tc, mcfg)
@@ -424,6 +427,26 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
     return {"state": state, "meta": meta, "losses": losses, "mcfg": mcfg, "tok": tok}
 
 
+def load_checkpoint(out: str, step: Optional[int] = None) -> tuple[dict, TrainConfig]:
+    """The checkpoint of ``out`` (latest, or ``step``) as a training result (``state``, ``meta``, ``mcfg``,
+    ``tok``) and its :class:`TrainConfig`, without training; the folder is only read (another process may
+    still be training into it)."""
+    import orbax.checkpoint as ocp
+
+    mngr = _ckpt_manager(out)
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise SystemExit(f"{out} holds no checkpoint")
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    tc = TrainConfig.from_json(meta["train_config"])
+    tok = load_tokenizer(asset_model_dir(TOKENIZER_SOURCE))
+    mcfg = model_config(tc, tok)
+    like = jax.eval_shape(lambda: init_state(tc, mcfg))
+    state, meta = restore(mngr, like, step)
+    mngr.close()
+    return {"state": state, "meta": meta, "losses": {}, "mcfg": mcfg, "tok": tok}, tc
+
+
 # ------------------------------------------------------------------------------------------------ export
 
 def export(result: dict, tc: TrainConfig, out_dir: str, eval_n: int = 200) -> dict:
@@ -434,9 +457,17 @@ def export(result: dict, tc: TrainConfig, out_dir: str, eval_n: int = 200) -> di
     params = result["state"]["params"]
     os.makedirs(out_dir, exist_ok=True)
     export_hf(out_dir, mcfg, jax.device_get(params), extra_config={"bos_token_id": tok.bos_token_id})
-    copy_aux_files(bundled_model_dir(), out_dir,
+    copy_aux_files(asset_model_dir(TOKENIZER_SOURCE), out_dir,
                    names=("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                           "generation_config.json"))
+    # the decoding lengths the model was trained for: the CLI and bench.run default to them
+    gc_path = os.path.join(out_dir, "generation_config.json")
+    with open(gc_path) as f:
+        gcfg = json.load(f)
+    gcfg.update(gen_length=tc.gen_length, block_length=tc.block_length, steps=tc.gen_length)
+    with open(gc_path, "w") as f:
+        json.dump(gcfg, f, indent=2, sort_keys=True)
+        f.write("\n")
     tc_path = os.path.join(out_dir, "tokenizer_config.json")
     with open(tc_path) as f:
         tcfg = json.load(f)
@@ -477,7 +508,7 @@ trained from scratch on CPU by `bench/train_tiny.py` with LLaDA's SFT objective 
 * Training: {step} steps of batch {tc.batch}, AdamW (peak lr {tc.lr}, warmup {tc.warmup}, cosine to
   {tc.lr * tc.end_lr_ratio:g}, weight decay {tc.weight_decay}, clip {tc.clip}), seed {tc.seed},
   tasks mixed {'uniformly' if tc.task_weights is None else f'with weights {list(tc.task_weights)}'};
-  {meta.get('train_seconds', 0) / 60:.0f} minutes of training on one CPU core; final training loss
+  {meta.get('train_seconds', 0) / 60:.0f} minutes of training on a {os.cpu_count()}-core CPU; final training loss
   {last.get('loss', float('nan')):.4f}.
 
 Command(s):
@@ -523,7 +554,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--export", default=None, help="after training, write an HF model folder here")
     ap.add_argument("--export-eval-n", type=int, default=200)
+    ap.add_argument("--export-only", action="store_true",
+                    help="export the latest checkpoint of --out (read only, no training; its own config)")
     args = ap.parse_args(argv)
+    if args.export_only:
+        if not args.export:
+            raise SystemExit("--export-only needs --export DIR")
+        res, tc = load_checkpoint(args.out)
+        acc = export(res, tc, args.export, args.export_eval_n)
+        _log(f"exported step {int(res['state']['step'])} of {args.out} to {args.export}: "
+             + " ".join(f"{k}={v:.3f}" for k, v in acc.items()))
+        return
 
     weights = None
     if args.task_weights:

@@ -7,8 +7,10 @@ A model folder holds ``tokenizer.json`` (a serialized Hugging Face ``tokenizers`
 chat template the way ``transformers`` does (a sandboxed Jinja2 environment with ``trim_blocks`` and
 ``lstrip_blocks``), without importing ``transformers`` or touching the network.
 
-:func:`bundled_model_dir` points at the tiny random LLaDA model shipped with the package (see
-``polestar_jax/assets/tiny_random/README.md``), which lets the command line run without ``--model``.
+:func:`bundled_model_dir` points at the default model shipped with the package, ``tiny_tasks``: a tiny
+LLaDA trained on the synthetic tasks of ``bench/tasks`` (see ``polestar_jax/assets/tiny_tasks/README.md``),
+which lets the command line run without ``--model``. :func:`asset_model_dir` reaches the other bundled
+folders (``tiny_random``: a random model with the same tokenizer).
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from polestar_jax.errors import PolestarError
 
-__all__ = ["Tokenizer", "load_tokenizer", "bundled_model_dir", "BUNDLED_MODEL_NAME"]
+__all__ = ["Tokenizer", "load_tokenizer", "bundled_model_dir", "asset_model_dir", "BUNDLED_MODEL_NAME"]
 
-#: Name of the folder under ``polestar_jax/assets`` that holds the bundled tiny random model.
-BUNDLED_MODEL_NAME = "tiny_random"
+#: Name of the folder under ``polestar_jax/assets`` that holds the default model.
+BUNDLED_MODEL_NAME = "tiny_tasks"
 
 # Special-token fields of tokenizer_config.json passed to the chat template (as transformers does).
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -36,9 +38,14 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 _LLADA_MASK_TOKEN = "<|mdm_mask|>"
 
 
+def asset_model_dir(name: str) -> str:
+    """Path of the model folder ``polestar_jax/assets/<name>`` bundled with the package."""
+    return str(importlib.resources.files("polestar_jax") / "assets" / name)
+
+
 def bundled_model_dir() -> str:
-    """Path of the tiny random LLaDA model folder bundled with the package (``assets/tiny_random``)."""
-    return str(importlib.resources.files("polestar_jax") / "assets" / BUNDLED_MODEL_NAME)
+    """Path of the default model folder bundled with the package (``assets/tiny_tasks``)."""
+    return asset_model_dir(BUNDLED_MODEL_NAME)
 
 
 def _token_content(value: Any) -> Optional[str]:

@@ -64,3 +64,20 @@ def test_every_task_instance_fits_the_trained_layout():
     for task in T.TASK_NAMES:
         for _, a in T.eval_instances(task, 50):
             assert len(a.encode()) < gen
+
+
+def test_bundled_model_solves_the_tasks_it_learned():
+    """The shipped tiny_tasks model answers held-out copy / reverse instances (100% when exported, see its
+    README) -- a corrupted or mis-exported checkpoint fails here."""
+    from polestar_jax.checkpoint import load_model
+    from polestar_jax.config import DecodeConfig
+    from polestar_jax.engine import generate
+    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+
+    cfg, params = load_model(bundled_model_dir())
+    tok = load_tokenizer(bundled_model_dir())
+    items = [(t, p) for t in ("copy", "reverse") for p, _ in T.eval_instances(t, 8, start=500)]
+    dc = DecodeConfig(decoder="llada", cache="none", gen_length=32, block_length=8, steps=32, threshold=None)
+    res = generate(params, cfg, [tok.chat_prompt_ids(p) for _, p in items], dc, seed=0)
+    hits = [T.score(t, p, T.decode_answer(tok, res.tokens[i])) for i, (t, p) in enumerate(items)]
+    assert sum(hits) >= 15, hits

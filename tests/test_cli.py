@@ -60,8 +60,8 @@ def _main(argv: list[str], capsys) -> tuple[int, str, str]:
 # ---------------------------------------------------------------------------------------------- generate
 def test_generate_json(env):
     # --decoder fastdllm: the default decoder (polestar) compiles for ~20 s; its own tests cover it
-    r = _run(env, "polestar_jax.generate", "--prompt", "Hello", "--gen-length", "32", "--block-length", "8",
-             "--json", "--decoder", "fastdllm")
+    r = _run(env, "polestar_jax.generate", "--prompt", "copy: ann,bob,cal", "--gen-length", "32",
+             "--block-length", "8", "--json", "--decoder", "fastdllm")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     last = json.loads(r.stdout.strip().splitlines()[-1])
@@ -96,6 +96,10 @@ def bad_folders(tmp_path_factory) -> dict[str, Path]:
         shutil.copy(Path(bundled_model_dir()) / name, d / name)
     out["tiny_a_tok"] = d
     out["missing"] = root / "does_not_exist"
+    d = root / "bad_genconfig"  # the bundled model with a broken generation_config.json
+    shutil.copytree(bundled_model_dir(), d)
+    (d / "generation_config.json").write_text(json.dumps({"gen_length": "long", "block_length": 8}))
+    out["bad_genconfig"] = d
     return out
 
 
@@ -109,6 +113,7 @@ BAD_INPUTS = {  # name -> (argv builder, expected message part)
                                        "--steps", "30"], "steps"),
     "prompt_too_long": (lambda f: ["--model", str(f["tiny_a_tok"]), "--no-chat", "--prompt", "x" * 600,
                                    "--gen-length", "32", "--block-length", "8"], "max_sequence_length"),
+    "bad_generation_config": (lambda f: ["--model", str(f["bad_genconfig"]), "--prompt", "Hi"], "gen_length"),
     "empty_prompt": (lambda f: ["--prompt", ""], "empty"),
     "blank_prompt": (lambda f: ["--prompt", "   "], "empty"),
     "no_prompt": (lambda f: [], "prompt"),
@@ -116,6 +121,19 @@ BAD_INPUTS = {  # name -> (argv builder, expected message part)
     "bad_threshold": (lambda f: ["--prompt", "Hi", "--threshold", "high"], "threshold"),
     "threshold_out_of_range": (lambda f: ["--prompt", "Hi", "--threshold", "1.5"], "threshold"),
 }
+
+
+def test_generate_lengths_default_to_the_model_folder(bad_folders, tmp_path, capsys):
+    """Without --gen-length/--block-length the model folder's generation_config.json decides; flags win."""
+    d = tmp_path / "m"
+    shutil.copytree(bundled_model_dir(), d)
+    cfg = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps(dict(cfg, gen_length=16, block_length=8, steps=16)))
+    for extra, n in (([], 16), (["--gen-length", "24"], 24)):
+        code, out, err = _main(["--model", str(d), "--prompt", "copy: ann,bob", "--decoder", "llada", "--json",
+                                *extra], capsys)
+        assert code == 0, err
+        assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) == n
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))

@@ -71,14 +71,14 @@ def _after_start(params, cfg, pc):
 @pytest.fixture(scope="module")
 def started(tiny_p):
     cfg, params = tiny_p
-    return {m: _after_start(params, cfg, PolestarConfig(offload_hidden=m)) for m in MODES}
+    return {m: _after_start(params, cfg, PolestarConfig(offload_hidden=m)) for m in ("none", "int8")}
 
 
 def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
     cfg, _ = tiny_p
     exact = np.asarray(started["none"].polestar.hs)
     assert np.abs(exact).max() > 0
-    for mode in ("int8", "bf16"):
+    for mode in ("int8",):  # (bf16's encoding: test_encode_decode_roundtrip)
         pol = started[mode].polestar
         pc = PolestarConfig(offload_hidden=mode)
         assert pol.hs.dtype == OF.store_dtype(pc, jnp.float32)
@@ -91,8 +91,7 @@ def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
         assert (np.abs(back - exact) <= tol * (1 + 1e-5) + 1e-12).all(), mode
     # everything else of the block start is the exact pass (the store is only written there)
     for name in ("labels", "n_clusters", "counts"):
-        for mode in ("int8", "bf16"):
-            np.testing.assert_array_equal(getattr(started[mode].polestar, name), getattr(started["none"].polestar, name))
+        np.testing.assert_array_equal(getattr(started["int8"].polestar, name), getattr(started["none"].polestar, name))
     assert started["none"].polestar.hs.sharding.memory_kind != OF.HOST_MEMORY_KIND or not OF.host_memory_available()
 
 

@@ -101,7 +101,7 @@ def test_dry_run_plans_8b_from_config_only(capsys):
     assert mp.param_bytes == 2 * n_params
     length = 128 + 256
     assert mp.kv_bytes_per_seq == 2 * cfg.n_layers * cfg.d_model * length * 2
-    assert mp.hs_bytes_per_seq == cfg.n_layers * 3 * 32 * cfg.d_model * 2
+    assert mp.hs_bytes_per_seq == cfg.n_layers * 3 * 32 * (cfg.d_model * 2 + 4)  # bf16 rows + f32 scales
     rc = main(["--dry-run", "--model-config", os.path.join(DATA, "llada8b_config.json"), "--gen-length", "64",
                "--block-length", "32", "--decoder", "fastdllm", "--dtype", "float32"])
     assert rc == 0

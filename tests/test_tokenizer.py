@@ -13,7 +13,7 @@ import pytest
 
 from polestar_jax.config import ModelConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer
+from polestar_jax.tokenizer import Tokenizer, asset_model_dir, bundled_model_dir, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = Path(bundled_model_dir())
@@ -43,13 +43,25 @@ def _load_builder() -> ModuleType:
     return module
 
 
-def test_bundled_folder_is_package_data() -> None:
-    res = importlib.resources.files("polestar_jax") / "assets" / "tiny_random"
-    assert Path(str(res)) == BUNDLED
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
-        assert (BUNDLED / name).is_file(), name
-    total = sum(p.stat().st_size for p in BUNDLED.iterdir())
-    assert total < 1_100_000
+@pytest.mark.parametrize("name,limit", [("tiny_tasks", 5_000_000), ("tiny_random", 1_100_000)])
+def test_bundled_folders_are_package_data(name: str, limit: int) -> None:
+    res = importlib.resources.files("polestar_jax") / "assets" / name
+    folder = Path(str(res))
+    assert folder == Path(asset_model_dir(name))
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
+              "generation_config.json"):
+        assert (folder / f).is_file(), f
+    assert sum(p.stat().st_size for p in folder.iterdir()) < limit
+    # both folders serve the same byte-level tokenizer and chat template
+    assert load_tokenizer(folder).chat_prompt_ids("copy: ann") == load_tokenizer(BUNDLED).chat_prompt_ids("copy: ann")
+
+
+def test_default_model_is_the_trained_one() -> None:
+    from polestar_jax.checkpoint import generation_defaults
+
+    assert BUNDLED == Path(asset_model_dir("tiny_tasks"))
+    d = generation_defaults(BUNDLED)
+    assert d["gen_length"] % d["block_length"] == 0 and d["steps"] == d["gen_length"]
 
 
 @pytest.mark.parametrize("text", [
@@ -149,6 +161,7 @@ def test_rebuild_is_byte_identical(tmp_path: Path) -> None:
     builder = _load_builder()
     out = tmp_path / "tiny"
     builder.build(str(out), seed=0)
+    random_dir = Path(asset_model_dir("tiny_random"))  # what bench/make_tiny_random.py builds
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (out / name).read_bytes() == (BUNDLED / name).read_bytes(), name
-    assert sorted(os.listdir(out)) == sorted(os.listdir(BUNDLED))
+        assert (out / name).read_bytes() == (random_dir / name).read_bytes(), name
+    assert sorted(os.listdir(out)) == sorted(os.listdir(random_dir))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,9 +22,9 @@ def _run(tc, out, **kw):
 
 
 def test_batch_layout():
-    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+    from polestar_jax.tokenizer import asset_model_dir, load_tokenizer
 
-    tok = load_tokenizer(bundled_model_dir())
+    tok = load_tokenizer(asset_model_dir(TT.TOKENIZER_SOURCE))
     batch, rows = TT.make_batch(T.train_rng(0), TINY, tok)
     L = TINY.prompt_slot + TINY.gen_length
     assert batch["ids"].shape == (TINY.batch, L) and len(rows) == TINY.batch
@@ -66,6 +67,11 @@ def test_export_loads_back(tmp_path):
     from polestar_jax.tokenizer import load_tokenizer
 
     res = _run(TINY, tmp_path / "c", stop_at=2)  # same configuration: reuses the compiled step
+    # --export-only reads the checkpoint back without training, with the configuration it was saved with
+    again, tc = TT.load_checkpoint(str(tmp_path / "c"))
+    assert tc == TINY and int(again["state"]["step"]) == 2
+    for x, y in zip(jax.tree.leaves(res["state"]["params"]), jax.tree.leaves(again["state"]["params"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     acc = TT.export(res, TINY, str(tmp_path / "model"), eval_n=1)
     assert set(acc) == set(T.TASK_NAMES)
     cfg, _ = load_model(str(tmp_path / "model"))
