@@ -38,7 +38,6 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-import jax
 import numpy as np
 
 from bench import tasks as T

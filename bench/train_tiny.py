@@ -36,13 +36,12 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import shlex
 import sys
 import time
 from collections import defaultdict
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,6 @@ import json
 import sys
 from typing import Optional, Sequence
 
-import numpy as np
 
 from polestar_jax.config import CACHES, DECODERS, OFFLOAD_HIDDEN, REMASKING, DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError

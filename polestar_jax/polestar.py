@@ -373,7 +373,6 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
                  refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]]) -> StepFwd:
     """One decode-step forward of the block against the cache; with ``refresh`` the sparse refresh of
     the rows of the top-drift clusters runs in the same layer pass (for rows with ``cluster_rows`` [b])."""
-    length = state.x.shape[1]
     pol = state.polestar
     pre, suf = pc.prefix_blocks * block, pc.suffix_blocks * block
     b = state.x.shape[0]
