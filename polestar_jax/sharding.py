@@ -74,7 +74,9 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
 
 
 def _batch_spec(name: str, leaf, mesh: Mesh) -> P:
-    layer_major = name in ("k_cache", "v_cache", "hs", "hs_scale", "labels", "centroids", "counts", "n_clusters", "s_prev")
+    from polestar_jax.polestar import _LAYER_MAJOR  # Polestar's per-layer fields [N, b, ...]
+
+    layer_major = name in ("k_cache", "v_cache") + _LAYER_MAJOR
     if name in ("k_cache", "v_cache", "s_prev"):
         return _fit(leaf.shape, (None, "data", "model"), mesh)
     if name == "p_prev":
