@@ -191,27 +191,36 @@ def bench_decoder(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig, 
         "all_committed": bool(np.all(tokens != cfg.mask_token_id)),
         **({} if res.polestar is None else {
             "refresh_steps": int(res.polestar["cluster_steps"][0].sum()),
+            "block_starts": int(res.polestar["processed"][0].sum()),
             "windowed_passes": int(res.polestar["efficient"][0].sum()),
             "early_commits": int(res.polestar["early"][0]),
             "suffix_commits": int(res.polestar["suffix"][0])}),
     }
 
 
+def gflops_by_kind(forwards: list[dict]) -> dict[str, float]:
+    """GFLOP of one forward per kind: XLA's cost analysis, or the matmul formula where XLA gave none."""
+    return {f["kind"]: (f["gflops_xla"] if f["gflops_xla"] is not None else f["gflops_matmul_analytic"])
+            for f in forwards}
+
+
+def forwards_gflops(decoder: str, cache: str, nfe: int, starts: int, refresh: int, by: dict[str, float]) -> float:
+    """GFLOP of ``nfe`` forwards of a decoder: without a cache every forward is a full pass; otherwise
+    ``starts`` block-start full passes (Polestar's windowed passes counted as full ones, an upper bound)
+    and the decoder's step kind for the rest (``refresh`` of them Polestar refresh steps)."""
+    if cache == "none":
+        return nfe * by["full"]
+    if decoder == "polestar":
+        return (starts * by["full"] + (nfe - starts - refresh) * by["polestar_step"]
+                + refresh * by["polestar_refresh_step"])
+    return starts * by["full"] + (nfe - starts) * by[f"{cache}_step"]
+
+
 def gflops_per_token(row: dict, forwards: list[dict], n_blocks: int) -> Optional[float]:
-    """FLOPs per generated token from the per-forward-kind FLOPs (XLA cost analysis, or the matmul formula
-    where XLA gave none): every block starts with one full forward (Polestar's windowed passes are counted
-    as full ones, an upper bound), then the decoder's step kind."""
-    by = {f["kind"]: (f["gflops_xla"] if f["gflops_xla"] is not None else f["gflops_matmul_analytic"])
-          for f in forwards}
-    nfe = row["nfe"]
-    if row["decoder"] in ("llada",) or row["cache"] == "none":
-        total = nfe * by["full"]
-    elif row["decoder"] == "polestar":
-        refresh = row.get("refresh_steps", 0)
-        total = (n_blocks * by["full"] + (nfe - n_blocks - refresh) * by["polestar_step"]
-                 + refresh * by["polestar_refresh_step"])
-    else:
-        total = n_blocks * by["full"] + (nfe - n_blocks) * by[f"{row['cache']}_step"]
+    """FLOPs per generated token of a result row (:func:`forwards_gflops`; Polestar rows count the blocks
+    they started, ``block_starts``: a block filled ahead by suffix commits has no start pass)."""
+    total = forwards_gflops(row["decoder"], row["cache"], row["nfe"], row.get("block_starts", n_blocks),
+                            row.get("refresh_steps", 0), gflops_by_kind(forwards))
     return total / row["generated_tokens"]
 
 

@@ -405,7 +405,6 @@ def time_kind(kind: str, kernels: str, params, state, cfg: ModelConfig, cc: Chec
 # ------------------------------------------------------------------------------------------- report
 
 
-
 def table(result: dict) -> str:
     c = result["config"]
     lines = [

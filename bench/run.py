@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from bench import tasks as T
-from bench.bench_decoders import _fmt
+from bench.bench_decoders import _fmt, forwards_gflops
 from polestar_jax.checkpoint import generation_defaults, load_model
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.engine import generate
@@ -127,6 +127,7 @@ class _Progress:
 
 
 def decode_config(d: Decoder, gen_length: int, block_length: int) -> DecodeConfig:
+    """The :class:`DecodeConfig` of decoder ``d`` (steps = gen length: llada commits one token per forward)."""
     pc = PolestarConfig(**(d.polestar or {}))
     return DecodeConfig(decoder=d.decoder, cache=d.cache, gen_length=gen_length, block_length=block_length,
                         steps=gen_length, threshold=d.threshold, polestar=pc)
@@ -191,24 +192,7 @@ def _forward_flops(params, mcfg: ModelConfig, slot: int, gen_length: int, block_
                         gen_length=gen_length, block_length=block_length, steps=gen_length, forward_warmup=0,
                         forward_reps=1, flops=True)
     prompt = [mcfg.eos_token_id] * slot
-    rows = BD.bench_forwards(params, mcfg, prompt, bc)
-    return {f["kind"]: (f["gflops_xla"] if f["gflops_xla"] is not None else f["gflops_matmul_analytic"])
-            for f in rows}
-
-
-def _gflops_per_position(d: Decoder, nfe: int, refresh: int, starts: int, n_items: int, gen_length: int,
-                         by: dict[str, float]) -> float:
-    """Total FLOPs of the forwards run / generated positions. ``starts`` block-start passes run as full
-    passes (Polestar's windowed passes counted as full ones, an upper bound; a block that suffix commits
-    filled ahead has none), the other forwards as the decoder's step kind."""
-    if d.cache == "none":
-        total = nfe * by["full"]
-    elif d.decoder == "polestar":
-        total = starts * by["full"] + (nfe - starts - refresh) * by["polestar_step"] + \
-            refresh * by["polestar_refresh_step"]
-    else:
-        total = starts * by["full"] + (nfe - starts) * by[f"{d.cache}_step"]
-    return total / (n_items * gen_length)
+    return BD.gflops_by_kind(BD.bench_forwards(params, mcfg, prompt, bc))
 
 
 def _row(d: Decoder, task: str, idx: Sequence[int], res: dict, seconds: float, flops_by: Optional[dict],
@@ -233,7 +217,8 @@ def _row(d: Decoder, task: str, idx: Sequence[int], res: dict, seconds: float, f
     else:
         ref = 0
     if flops_by is not None:
-        row["gflops_per_token"] = _gflops_per_position(d, nfe, ref, starts, len(idx), gen_length, flops_by)
+        gflops = forwards_gflops(d.decoder, d.cache, nfe, starts, ref, flops_by)
+        row["gflops_per_token"] = gflops / (len(idx) * gen_length)  # per generated position
     return row
 
 
