@@ -16,7 +16,7 @@ Window buffers are static: ``W`` rows with the ``n`` valid points first (see :fu
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

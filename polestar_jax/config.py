@@ -178,7 +178,11 @@ class PolestarConfig:
       offload_hidden  how the refresh rows' stored hidden states are kept: "none" (model dtype, device
                       memory: exact), "int8" (symmetric int8 with one float32 scale per row) or "bf16";
                       "int8" and "bf16" live in host memory (``memory_kind="pinned_host"``) where the
-                      backend has it, and only the layer being refreshed is moved to the device.
+                      backend has it; a refresh moves only the rows it reads to the device.
+      refresh_buckets a refresh stage runs over the smallest of the widths 0, ceil(R / q), ceil(2R / q), ..., R
+                      (``q`` = this, ``R`` = window rows) that holds every batch row's selected rows: more
+                      buckets, fewer rows gathered, computed and moved, more compiled branches. The result
+                      never depends on it (see :mod:`polestar_jax.refresh`); 1: always all rows.
     """
 
     n_clusters: int = 8
@@ -198,6 +202,7 @@ class PolestarConfig:
     suffix_precommit: bool = True
     kernels: str = "auto"
     offload_hidden: str = "none"
+    refresh_buckets: int = 4
 
     def __post_init__(self):
         self.validate()
@@ -210,6 +215,8 @@ class PolestarConfig:
         need(self.offload_hidden in OFFLOAD_HIDDEN,
              f"offload_hidden must be one of {', '.join(OFFLOAD_HIDDEN)}, got {self.offload_hidden!r}")
 
+        need(isinstance(self.refresh_buckets, int) and self.refresh_buckets >= 1,
+             f"refresh_buckets must be an integer >= 1, got {self.refresh_buckets!r}")
         need(self.n_clusters >= 2, f"n_clusters must be >= 2, got {self.n_clusters}")
         need(self.prefix_blocks >= 1, f"prefix_blocks must be >= 1, got {self.prefix_blocks}")
         need(self.suffix_blocks >= 0, f"suffix_blocks must be >= 0, got {self.suffix_blocks}")

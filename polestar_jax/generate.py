@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-hidden", default="none", choices=list(OFFLOAD_HIDDEN),
                    help="store the refresh rows' hidden states int8 (per-row scales) or bf16 in host memory "
                         "(pinned_host) instead of exact in device memory")
+    g.add_argument("--refresh-buckets", type=int, default=4,
+                   help="compiled widths per refresh stage (0 and ceil(i*R/n)): more = fewer rows computed "
+                        "and moved, longer compile; 1 = every window row (the result is the same)")
     g.add_argument("--kernels", default="auto", choices=["auto", "pallas", "interpret", "reference"],
                    help="drift/refresh kernels: auto = Pallas on GPU/TPU, jnp reference on CPU")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
@@ -102,7 +105,8 @@ def decode_config_from_args(args, defaults: Optional[dict] = None) -> DecodeConf
     early = args.early_threshold if not isinstance(args.early_threshold, str) else _threshold(args.early_threshold)
     pc = PolestarConfig(n_clusters=args.clusters, top_k=args.top_k, early_threshold=early,
                         windowed_period=args.windowed_period, suffix_precommit=not args.no_suffix_commit,
-                        kernels=args.kernels, offload_hidden=args.offload_hidden)
+                        kernels=args.kernels, offload_hidden=args.offload_hidden,
+                        refresh_buckets=args.refresh_buckets)
     gen_length = args.gen_length if args.gen_length is not None else defaults.get("gen_length", 128)
     block_length = args.block_length if args.block_length is not None else defaults.get("block_length", 32)
     block_length = min(block_length, gen_length) if args.block_length is None else block_length

@@ -94,9 +94,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
 def project_qkv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention-norm and Q/K/V projections of rows ``h`` [b, T, D]: q [b, H, T, hd], k/v [b, KV, T, hd]
     (un-rotated)."""
+    return (project_q(lp, h, cfg),) + project_kv(lp, h, cfg)
+
+
+def project_q(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The query part of :func:`project_qkv`: q [b, H, T, hd]."""
     xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return (_split_heads(xn @ lp["wq"], cfg.n_heads), _split_heads(xn @ lp["wk"], cfg.n_kv_heads),
-            _split_heads(xn @ lp["wv"], cfg.n_kv_heads))
+    return _split_heads(xn @ lp["wq"], cfg.n_heads)
+
+
+def project_kv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The key / value part of :func:`project_qkv`: k, v [b, KV, T, hd] (un-rotated)."""
+    xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    return _split_heads(xn @ lp["wk"], cfg.n_kv_heads), _split_heads(xn @ lp["wv"], cfg.n_kv_heads)
 
 
 def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig) -> jax.Array:

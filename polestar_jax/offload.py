@@ -11,12 +11,15 @@ step and rewritten by each block-start pass, so it need not sit in device memory
 
 Placement uses JAX memory kinds: the stored arrays carry ``memory_kind="pinned_host"`` between blocks (the
 engine places the initial store there, and the jitted block keeps it there); inside a step the block-start
-pass moves each layer's encoded rows to the host as it produces them, and a refresh step moves one layer's
-rows to the device when that layer runs (``jax.device_put(x, jax.memory.Space.Device)`` inside the layer
-scan), so the device holds one layer's rows at a time instead of all ``N``. XLA turns the placements into
+pass moves each layer's encoded rows to the host as it produces them (``jax.device_put(x,
+jax.memory.Space.Host)`` inside the layer scan). A refresh step reads and writes only the rows it selects
+(:func:`fetch_rows`, :func:`write_rows`): the row gather / scatter runs on the host
+(``compute_on("device_host")``) and only the compacted rows -- at most one layer's ``R`` rows, usually fewer
+(see :mod:`polestar_jax.refresh`) -- cross to the device and back. XLA turns the placements into
 asynchronous host<->device copies that overlap the layer's compute (they are the
 ``annotate_device_placement`` custom calls of the lowered module). Where the backend has no
-``pinned_host`` memory the store stays in device memory, still quantised, with a warning.
+``pinned_host`` memory the store stays in device memory, still quantised, with a warning, and the row
+gather / scatter kernels of :mod:`polestar_jax.kernels.refresh` read and write it in place.
 """
 from __future__ import annotations
 
@@ -28,13 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.experimental.compute_on import compute_on
+
 from polestar_jax.config import ModelConfig, PolestarConfig
-from polestar_jax.kernels.refresh import dequantize_rows, quantize_rows
+from polestar_jax.kernels.refresh import dequantize_rows, gather_rows, quantize_rows, scatter_rows
 
 HOST_MEMORY_KIND = "pinned_host"
 
 __all__ = ["HOST_MEMORY_KIND", "host_memory_available", "uses_host", "store_dtype", "encode", "decode",
-           "to_host", "to_device", "place_store", "store_bytes"]
+           "to_host", "to_device", "fetch_rows", "write_rows", "place_store", "store_bytes"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,6 +89,52 @@ def to_device(x: jax.Array, pc: PolestarConfig) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device) if uses_host(pc) else x
 
 
+@compute_on("device_host")
+@jax.jit
+def _host_take(store: jax.Array, idx: jax.Array) -> jax.Array:
+    """Runs on the host: rows ``idx`` [b, w] of ``store`` [b, R, ...] (host memory) -> [b, w, ...]."""
+    return jax.vmap(lambda s, i: jnp.take(s, i, axis=0, mode="clip"))(store, idx)
+
+
+@compute_on("device_host")
+@jax.jit
+def _host_put(store: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """Runs on the host: ``store`` [b, R, ...] with ``rows`` [b, w, ...] written at ``idx`` [b, w]
+    (out-of-range entries dropped)."""
+    return jax.vmap(lambda s, i, r: s.at[i].set(r, mode="drop"))(store, idx, rows)
+
+
+def fetch_rows(stored: jax.Array, scale: jax.Array, idx: jax.Array, valid: jax.Array, pc: PolestarConfig,
+               dtype) -> jax.Array:
+    """Inside a jitted step: rows ``idx`` [b, w] of one layer's store (``stored`` [b, R, D], ``scale``
+    [b, R]) decoded into ``dtype`` on the device, zero where not ``valid``: [b, w, D].
+
+    With a host store the gather runs on the host (``compute_on("device_host")``) and only the ``w``
+    gathered rows (and their scales) are copied to the device; otherwise the row gather kernel
+    (:func:`polestar_jax.kernels.refresh.gather_rows`, int8 dequantisation fused) reads them in place."""
+    if uses_host(pc):
+        ih = jax.device_put(idx, jax.memory.Space.Host)
+        q = jax.device_put(_host_take(stored, ih), jax.memory.Space.Device)
+        s = jax.device_put(_host_take(scale, ih), jax.memory.Space.Device)
+        return jnp.where(valid[..., None], decode(q, s, pc, dtype), jnp.zeros((), dtype))
+    scales = scale if pc.offload_hidden == "int8" else None
+    return gather_rows(stored, idx, valid, scales, dtype=dtype, backend=pc.kernels)
+
+
+def write_rows(stored: jax.Array, scale: jax.Array, idx: jax.Array, valid: jax.Array, rows: jax.Array,
+               pc: PolestarConfig) -> tuple[jax.Array, jax.Array]:
+    """Inside a jitted step: one layer's store with ``rows`` [b, w, D] encoded and written at ``idx`` [b, w]
+    where ``valid`` (other rows keep their bits). With a host store only the ``w`` encoded rows are copied
+    to the host and the scatter runs there; otherwise the row scatter kernel writes them."""
+    q, s = encode(rows, pc)
+    if uses_host(pc):
+        ih = jax.device_put(jnp.where(valid, idx, stored.shape[1]), jax.memory.Space.Host)
+        return (_host_put(stored, ih, jax.device_put(q, jax.memory.Space.Host)),
+                _host_put(scale, ih, jax.device_put(s, jax.memory.Space.Host)))
+    return (scatter_rows(stored, q, idx, valid, backend=pc.kernels),
+            scatter_rows(scale, s, idx, valid, backend=pc.kernels))
+
+
 def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple[jax.Array, jax.Array]:
     """Outside jit: the initial store arrays moved to ``pinned_host`` memory (keeping their sharding) when
     offloading; warns (once per call site, Python's default warning filter) and keeps them in device memory
@@ -105,8 +156,8 @@ def _warn_no_host(backend: str) -> None:
 def store_bytes(cfg: ModelConfig, pc: PolestarConfig, block: int, model_dtype="bfloat16",
                 batch: int = 1) -> dict[str, int]:
     """Bytes of the hidden-state store for ``batch`` sequences: ``total`` (stored + scales), ``device``
-    (resident in device memory between refreshes), ``device_transient`` (one layer's rows on the device
-    during a refresh when offloaded) and ``host``."""
+    (resident in device memory between refreshes), ``device_transient`` (the most a refresh moves to the
+    device at once when offloaded: one layer's rows) and ``host``."""
     r = (pc.prefix_blocks + pc.suffix_blocks) * block
     rows = cfg.n_layers * batch * r
     item = np.dtype(store_dtype(pc, jnp.dtype(model_dtype))).itemsize

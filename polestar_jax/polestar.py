@@ -9,16 +9,19 @@ Per block (see ``POLESTAR_SPEC.md`` sections B-G):
    commits by the threshold rule.
 2. **Decode steps** (:func:`decode_step`) until the block has no mask, each one pure function of the state:
    one forward of the block against the cache. When the previous step committed more than one token (or the
-   commits since the last refresh exceed two) the step *refreshes*: in every layer the refresh rows are
-   computed together with the block rows (one matmul over ``B + R`` rows, ``R`` = window rows), the
-   centroids' proxy attention is compared with ``s_prev`` (cluster drift), the top clusters' rows become the
-   packet that patches the next layer's hidden states, K/V and centroids. Token drift of the last layer
-   drives early commits; refreshed suffix rows of the last layer may commit ahead of their block.
+   commits since the last refresh exceed two) the step *refreshes*: in every layer the rows the previous
+   layer recomputed (the *packet*) patch this layer's stored hidden states, K/V and centroids, the
+   centroids' proxy attention is compared with ``s_prev`` (cluster drift), and the rows of the top clusters
+   go through the layer with the block rows, becoming the next layer's packet. Token drift of the last
+   layer drives early commits; refreshed suffix rows of the last layer may commit ahead of their block.
 
-The update packet has capacity ``R`` = every window row, so it can never drop a selected row; a validity
-mask marks the selected ones. Randomness (k-means draws) is an input: from a ``jax.random`` key by default,
-or, for exact replay of the PyTorch code, from a :class:`Replay` of its trace, together with its k-means
-labels and cluster selections (the reference itself is not stable under rounding there, spec J14).
+The packet is carried between layers at full width ``R`` (window rows) with a validity mask, so no selected
+row is ever dropped; inside a layer each stage works on the selected rows compacted to a static width
+(:mod:`polestar_jax.refresh`), and only those rows are read from the store.
+
+Randomness (k-means draws) is an input: from a ``jax.random`` key by default, or, for exact replay of the
+PyTorch code, from a :class:`Replay` of its trace, together with its k-means labels and cluster selections
+(the reference itself is not stable under rounding there, spec J14).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from polestar_jax import commit as R
 from polestar_jax import drift as Dr
 from polestar_jax import model as M
 from polestar_jax import offload as OF
+from polestar_jax import refresh as RF
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
@@ -149,8 +153,9 @@ class StepOut(NamedTuple):
 
     active/cluster [b] bool; token_drift, delta [b, B]; cluster_scores [b, N, K] (-inf on invalid slots);
     selected [b, N, K] clusters refreshed; own_selected [b, N, K] what this implementation would have chosen
-    (differs from ``selected`` only in replay); refreshed_rows [b, N]; commit_threshold, commit_early [b, B];
-    commit_suffix [b, Ws].
+    (differs from ``selected`` only in replay); refreshed_rows [b, N] rows recomputed; moved_rows [b, N]
+    stored rows read in the refresh (the compact widths of :mod:`polestar_jax.refresh`: what moves from a host
+    store to the device); commit_threshold, commit_early [b, B]; commit_suffix [b, Ws].
     """
 
     active: jax.Array
@@ -161,6 +166,7 @@ class StepOut(NamedTuple):
     selected: jax.Array
     own_selected: jax.Array
     refreshed_rows: jax.Array
+    moved_rows: jax.Array
     commit_threshold: jax.Array
     commit_early: jax.Array
     commit_suffix: jax.Array
@@ -337,6 +343,7 @@ class StepFwd(NamedTuple):
     selected: jax.Array  # [N, b, K]
     own: jax.Array  # [N, b, K]
     n_rows: jax.Array  # [N, b]
+    moved_rows: jax.Array  # [N, b] store rows moved to the device (stage widths 1 + 2; 0 without refresh)
 
 
 #: Low mantissa bits dropped from cluster scores before ranking: scores are compared at a relative
@@ -372,73 +379,140 @@ def top_clusters(scores: jax.Array, n_valid: jax.Array, m: int) -> jax.Array:
 def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
                  refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]]) -> StepFwd:
     """One decode-step forward of the block against the cache; with ``refresh`` the sparse refresh of
-    the rows of the top-drift clusters runs in the same layer pass (for rows with ``cluster_rows`` [b])."""
+    the rows of the top-drift clusters runs in the same layer pass (for rows with ``cluster_rows`` [b]).
+
+    A refreshing layer runs in three stages, each over the compacted rows it needs, at the smallest compiled
+    width that holds them (see :mod:`polestar_jax.refresh`):
+
+    1. the *packet* (rows the previous layer recomputed, ``pk_valid``): their stored inputs are read (for the
+       centroid shift) and overwritten with the new ones, and their K/V are projected with the block's and
+       written into the cache;
+    2. the cluster drift of the shifted centroids against that cache selects the top clusters; the stored
+       inputs of the selected rows that are not in the packet are read;
+    3. the block rows and the selected rows go through the rest of the layer (Q, attention, MLP); the
+       selected rows' outputs are the next layer's packet.
+
+    Every weight matrix is read once per layer; only the rows of stages 1 and 2 move from the store.
+    """
     pol = state.polestar
     pre, suf = pc.prefix_blocks * block, pc.suffix_blocks * block
+    r_rows = pre + suf
     b = state.x.shape[0]
     blk_pos_abs = geo.cs + jnp.arange(block)
     ref_idx = jnp.broadcast_to(geo.ref_pos, geo.ref_valid.shape).astype(jnp.int32)  # [b, R]
+    ref_qpos = _rows_at(state.pos, geo.ref_pos)  # [b, R] rotary positions of the window rows
     kb = pc.kernels
-    if refresh:
-        q_pos = jnp.concatenate([_rows_at(state.pos, blk_pos_abs), _rows_at(state.pos, geo.ref_pos)], axis=1)
-    else:
-        q_pos = _rows_at(state.pos, blk_pos_abs)
-    qc, qs = M.rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
+    blk_qpos = _rows_at(state.pos, blk_pos_abs)
     kc, ks = M.rope_tables(state.pos, cfg.head_dim, cfg.rope_theta)
     h_blk0 = M.embed(params, _rows_at(state.x, blk_pos_abs))
+    dt = h_blk0.dtype
     n_layers = cfg.n_layers
     kdim = pc.n_clusters
+    ws = RF.widths(pc, r_rows)
+
+    def block_rows_only(lp, h_blk, kk, vv):
+        qc, qs = M.rope_tables(blk_qpos, cfg.head_dim, cfg.rope_theta)
+        qr = M.apply_rope(M.project_q(lp, h_blk, cfg), qc, qs)
+        out = M.finish_layer(lp, h_blk, M.attention(qr, M.apply_rope(kk, kc, ks), vv, state.key_valid), cfg)
+        return out, qr
+
+    def write_block(kcache, vcache, k, v):
+        return (lax.dynamic_update_slice_in_dim(kcache, k, geo.cs, axis=2),
+                lax.dynamic_update_slice_in_dim(vcache, v, geo.cs, axis=2))
 
     def layer(carry, xs):
         h_blk, pk_h, pk_valid, _ = carry
         lp, kcache, vcache, store, labels, cent, counts, n_cl, s_prev, fsel, fhas, li = xs
-        if refresh:
-            # this layer's stored rows come to the device (one layer at a time when offloaded)
-            st_q, st_s = OF.to_device(store[0], pc), OF.to_device(store[1], pc)
-            hs = OF.decode(st_q, st_s, pc, h_blk.dtype)
-            # the previous layer's packet patches this layer's hidden states (rows clustered here) and K/V
-            # (every packet row, spec J8); the refresh rows' inputs are the patched states
-            patch = pk_valid & (labels >= 0)
-            new_q, new_s = OF.encode(pk_h, pc)  # unpatched rows keep their stored bits
-            store_new = (OF.to_host(jnp.where(patch[..., None], new_q, st_q), pc),
-                         OF.to_host(jnp.where(patch, new_s, st_s), pc))
-            # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
-            cent = centroid_shift(cent, labels, counts, patch, hs, pk_h, backend=kb)
-            rows = jnp.concatenate([h_blk, jnp.where(pk_valid[..., None], pk_h, hs)], axis=1)
-        else:
-            store_new, rows = (), h_blk
-        q, k, v = M.project_qkv(lp, rows, cfg)
-        kk = lax.dynamic_update_slice_in_dim(kcache, k[:, :, :block], geo.cs, axis=2)
-        vv = lax.dynamic_update_slice_in_dim(vcache, v[:, :, :block], geo.cs, axis=2)
-        if refresh:
-            wvalid = pk_valid & geo.ref_valid
-            kk = scatter_kv_rows(kk, k[:, :, block:], ref_idx, wvalid, backend=kb)
-            vv = scatter_kv_rows(vv, v[:, :, block:], ref_idx, wvalid, backend=kb)
-        qr = M.apply_rope(q, qc, qs)
-        kr = M.apply_rope(kk, kc, ks)
-        a = M.attention(qr, kr, vv, state.key_valid)
-        out = M.finish_layer(lp, rows, a, cfg)
-        h_blk = out[:, :block]
-        zeros_k = jnp.zeros((b, kdim), bool)
-        last_qk = (qr[:, :, :block], kr)  # the last layer's stay in the carry (token drift after the scan)
-        if refresh:
-            qc_ = Dr.proxy_queries(lp, cent, cfg)
-            score, s = kl_drift(qc_, kk, state.key_valid, s_prev, mode="cluster", backend=kb)
-            score = jnp.where(jnp.arange(kdim)[None] < n_cl[:, None], score, -jnp.inf)
-            m = jnp.where(li == n_layers - 1, pc.top_k_last, pc.top_k)
-            own = top_clusters(score, n_cl, m)
-            sel_c = jnp.where(fhas[:, None], fsel, own) & cluster_rows[:, None]
-            sel = (labels >= 0) & jnp.take_along_axis(sel_c, jnp.clip(labels, 0, kdim - 1), axis=1)
-            s_prev = jnp.where(cluster_rows[:, None, None, None], s, s_prev)
-            carry = (h_blk, out[:, block:], sel, last_qk)
-            stats = (score, sel_c, own & cluster_rows[:, None], jnp.sum(sel, axis=1).astype(jnp.int32))
-        else:
-            carry = (h_blk, pk_h, pk_valid, last_qk)
-            stats = (jnp.full((b, kdim), -jnp.inf), zeros_k, zeros_k, jnp.zeros((b,), jnp.int32))
+        if not refresh:
+            kk, vv = write_block(kcache, vcache, *M.project_kv(lp, h_blk, cfg))
+            out, qr = block_rows_only(lp, h_blk, kk, vv)
+            zeros_k = jnp.zeros((b, kdim), bool)
+            stats = (jnp.full((b, kdim), -jnp.inf), zeros_k, zeros_k, jnp.zeros((b,), jnp.int32),
+                     jnp.int32(0), jnp.int32(0))
+            return (out, pk_h, pk_valid, (qr, M.apply_rope(kk, kc, ks))), ((kk, vv, (), cent, s_prev), stats)
+
+        # stage 1: the packet rows. Their stored inputs (old values: the centroid shift) are replaced by
+        # the new ones where clustered here, and their K/V join the block's in the cache (spec J8)
+        patch = pk_valid & (labels >= 0)
+
+        def stage1(w):
+            def run():
+                if w == 0:
+                    kk, vv = write_block(kcache, vcache, *M.project_kv(lp, h_blk, cfg))
+                    return store, cent, kk, vv, jnp.zeros_like(pk_h), jnp.zeros_like(pk_valid)
+                idx, val = RF.compact(pk_valid, w)
+                hp = RF.take_rows(pk_h, idx)  # [b, w, D]
+                lab = RF.take_rows(labels, idx)
+                pt = RF.take_rows(patch, idx) & val
+                # the w rows move whole (padding rows too: they are distinct real rows), and stage 2 reuses them
+                got = OF.fetch_rows(store[0], store[1], idx, jnp.ones_like(val), pc, dt)
+                old = jnp.where(pt[..., None], got, jnp.zeros((), dt))
+                new_store = OF.write_rows(store[0], store[1], idx, pt, hp, pc)
+                # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
+                new_cent = centroid_shift(cent, lab, counts, pt, old, hp, backend=kb)
+                k, v = M.project_kv(lp, jnp.concatenate([h_blk, hp], axis=1), cfg)
+                kk, vv = write_block(kcache, vcache, k[:, :, :block], v[:, :, :block])
+                wvalid = val & RF.take_rows(geo.ref_valid, idx)
+                widx = RF.take_rows(ref_idx, idx)
+                kk = scatter_kv_rows(kk, k[:, :, block:], widx, wvalid, backend=kb)
+                vv = scatter_kv_rows(vv, v[:, :, block:], widx, wvalid, backend=kb)
+                ones = jnp.ones_like(val)
+                return (new_store, new_cent, kk, vv, RF.spread_rows(got, idx, ones, r_rows),
+                        RF.spread_rows(ones, idx, ones, r_rows))
+            return run
+
+        n_pk = jnp.sum(pk_valid, axis=1)
+        store_new, cent, kk, vv, got_rows, have = RF.by_width(n_pk, ws, stage1)
+        n_read = RF.by_width(n_pk, ws, lambda w: lambda: jnp.int32(w))
+
+        # the cluster drift of the (shifted) centroids against the updated cache selects the clusters
+        qc_ = Dr.proxy_queries(lp, cent, cfg)
+        score, s = kl_drift(qc_, kk, state.key_valid, s_prev, mode="cluster", backend=kb)
+        score = jnp.where(jnp.arange(kdim)[None] < n_cl[:, None], score, -jnp.inf)
+        m = jnp.where(li == n_layers - 1, pc.top_k_last, pc.top_k)
+        own = top_clusters(score, n_cl, m)
+        sel_c = jnp.where(fhas[:, None], fsel, own) & cluster_rows[:, None]
+        sel = (labels >= 0) & jnp.take_along_axis(sel_c, jnp.clip(labels, 0, kdim - 1), axis=1)  # [b, R]
+        s_prev = jnp.where(cluster_rows[:, None, None, None], s, s_prev)
+
+        # stage 2: stored inputs of the selected rows that are neither in the packet (theirs are pk_h) nor
+        # among the rows stage 1 moved. At most R - w1 rows are missing (w1 = stage 1's width), and that is a
+        # width here too, so the two stages never move more than R rows per layer
+        need = sel & ~pk_valid & ~have
+
+        def stage2(w):
+            def run():
+                if w == 0:
+                    return jnp.zeros_like(pk_h), jnp.int32(0)
+                idx, val = RF.compact(need, w)
+                rows = OF.fetch_rows(store[0], store[1], idx, val, pc, dt)
+                return RF.spread_rows(rows, idx, val, r_rows), jnp.int32(w)
+            return run
+
+        fetched, n_fetch = RF.by_width(jnp.sum(need, axis=1), RF.complement_widths(ws, r_rows), stage2)
+        inputs = jnp.where(pk_valid[..., None], pk_h, jnp.where(have[..., None], got_rows, fetched))  # [b, R, D]
+
+        # stage 3: the rest of the layer for the block rows and the selected rows
+        def stage3(w):
+            def run():
+                if w == 0:
+                    out, qr = block_rows_only(lp, h_blk, kk, vv)
+                    return out, jnp.zeros_like(pk_h), qr
+                idx, val = RF.compact(sel, w)
+                rows = jnp.concatenate([h_blk, RF.take_rows(inputs, idx)], axis=1)
+                qc, qs = M.rope_tables(jnp.concatenate([blk_qpos, RF.take_rows(ref_qpos, idx)], axis=1),
+                                       cfg.head_dim, cfg.rope_theta)
+                qr = M.apply_rope(M.project_q(lp, rows, cfg), qc, qs)
+                out = M.finish_layer(lp, rows, M.attention(qr, M.apply_rope(kk, kc, ks), vv, state.key_valid), cfg)
+                return out[:, :block], RF.spread_rows(out[:, block:], idx, val, r_rows), qr[:, :, :block]
+            return run
+
+        out_blk, pk_out, q_blk = RF.by_width(jnp.sum(sel, axis=1), ws, stage3)
+        carry = (out_blk, pk_out, sel, (q_blk, M.apply_rope(kk, kc, ks)))
+        stats = (score, sel_c, own & cluster_rows[:, None], jnp.sum(sel, axis=1).astype(jnp.int32),
+                 n_read, n_fetch)
         return carry, ((kk, vv, store_new, cent, s_prev), stats)
 
-    r_rows = pre + suf
-    dt = h_blk0.dtype
     qk0 = (jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), dt), jnp.zeros_like(state.k_cache[0]))
     carry0 = (h_blk0, jnp.zeros((b, r_rows, cfg.d_model), dt), jnp.zeros((b, r_rows), bool), qk0)
     if forced is None:
@@ -450,7 +524,8 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     store = (pol.hs, pol.hs_scale) if refresh else ()
     xs = (params["blocks"], state.k_cache, state.v_cache, store, pol.labels, pol.centroids, pol.counts,
           pol.n_clusters, pol.s_prev, fsel_all, fhas_all, jnp.arange(n_layers))
-    carry, ((kk, vv, store, cent, s_prev), (score, sel_c, own, n_rows)) = lax.scan(layer, carry0, xs)
+    carry, ((kk, vv, store, cent, s_prev), stats) = lax.scan(layer, carry0, xs)
+    score, sel_c, own, n_rows, n_read, n_fetch = stats
     hs, hs_scale = store if refresh else (pol.hs, pol.hs_scale)
     h_blk, pk_h, pk_valid, (q_last, k_last) = carry
     drift, p_blk = kl_drift(q_last, k_last, state.key_valid, pol.p_prev, mode="token", backend=kb)
@@ -461,7 +536,9 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     else:
         logits_suf = jnp.zeros((b, suf, logits.shape[-1]), jnp.float32)
         sel_suf = jnp.zeros((b, suf), bool)
-    return StepFwd(kk, vv, hs, hs_scale, cent, s_prev, p_blk, drift, logits, logits_suf, sel_suf, score, sel_c, own, n_rows)
+    moved = jnp.where(cluster_rows[None, :], (n_read + n_fetch)[:, None], 0).astype(jnp.int32)  # [N, b]
+    return StepFwd(kk, vv, hs, hs_scale, cent, s_prev, p_blk, drift, logits, logits_suf, sel_suf, score, sel_c,
+                   own, n_rows, moved)
 
 
 # ------------------------------------------------------------------------------------------ the block
@@ -570,7 +647,7 @@ def decode_step(params, state: DecodeState, block_idx, threshold, cfg: ModelConf
     new = select_rows(active, new, state)
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     step = StepOut(active, cluster, out.drift, delta, sw(out.scores), sw(out.selected), sw(out.own),
-                   sw(out.n_rows), thr, early & ~thr, commit_suf)
+                   sw(out.n_rows), sw(out.moved_rows), thr, early & ~thr, commit_suf)
     return new, step
 
 
@@ -579,7 +656,7 @@ def empty_steps(n_steps: int, b: int, cfg: ModelConfig, pc: PolestarConfig, bloc
     n, k, suf = cfg.n_layers, pc.n_clusters, pc.suffix_blocks * block
     z = lambda *s, dt=jnp.float32: jnp.zeros((n_steps,) + s, dt)
     return StepOut(z(b, dt=bool), z(b, dt=bool), z(b, block), z(b, block),
-                   z(b, n, k), z(b, n, k, dt=bool), z(b, n, k, dt=bool), z(b, n, dt=jnp.int32),
+                   z(b, n, k), z(b, n, k, dt=bool), z(b, n, k, dt=bool), z(b, n, dt=jnp.int32), z(b, n, dt=jnp.int32),
                    z(b, block, dt=bool), z(b, block, dt=bool), z(b, suf, dt=bool))
 
 

@@ -16,7 +16,6 @@ batch wait without changing. The mask token is never committed and every loop is
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import NamedTuple, Optional
 
 import jax

@@ -120,6 +120,7 @@ BAD_INPUTS = {  # name -> (argv builder, expected message part)
     "unknown_decoder": (lambda f: ["--prompt", "Hi", "--decoder", "bogus"], "--decoder"),
     "bad_threshold": (lambda f: ["--prompt", "Hi", "--threshold", "high"], "threshold"),
     "threshold_out_of_range": (lambda f: ["--prompt", "Hi", "--threshold", "1.5"], "threshold"),
+    "bad_refresh_buckets": (lambda f: ["--prompt", "Hi", "--refresh-buckets", "0"], "refresh_buckets"),
 }
 
 
@@ -199,3 +200,12 @@ def test_crosscheck_missing_folder(tmp_path, capsys):
     out, err = capsys.readouterr()
     _assert_one_error_line(code, out, err)
     assert "not found" in err
+
+
+def test_polestar_flags_reach_the_config():
+    args = gen_cli.build_parser().parse_args(["--prompt", "Hi", "--refresh-buckets", "2", "--offload-hidden", "int8",
+                                              "--kernels", "reference"])
+    pc = gen_cli.decode_config_from_args(args).polestar
+    assert (pc.refresh_buckets, pc.offload_hidden, pc.kernels) == (2, "int8", "reference")
+    assert gen_cli.decode_config_from_args(gen_cli.build_parser().parse_args(["--prompt", "Hi"])).polestar \
+        .refresh_buckets == 4

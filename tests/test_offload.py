@@ -160,8 +160,8 @@ def test_generate_with_offload(tiny_p):
 
 def test_offload_placement_annotations_in_gpu_export(tiny_p):
     """The whole block step exported for cuda: with int8 offload the store arguments/results carry
-    ``memory_kind = "pinned_host"`` and the module moves layers with ``annotate_device_placement``; without
-    offload neither appears."""
+    ``memory_kind = "pinned_host"``, the module moves rows with ``annotate_device_placement`` and gathers /
+    scatters them with host computations; without offload none of these appears."""
     from polestar_jax.step import EngineSpec, Knobs, run_block
 
     cfg, params = tiny_p
@@ -190,6 +190,10 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
     n, r, d = cfg.n_layers, 3 * BLOCK, cfg.d_model
     assert f"tensor<{n}x2x{r}x{d}xi8>" in t  # the int8 store [N, b, R, D] is an argument/result
     assert "pinned_host" not in texts["none"] and "annotate_device_placement" not in texts["none"]
+    # the store's row gathers / scatters run on the host, so only compacted rows cross: the narrowest
+    # compiled width (R / 4 rows of int8) is one of the moved shapes
+    assert '_xla_compute_type = "host"' in t and "_xla_compute_type" not in texts["none"]
+    assert f"tensor<2x{r // 4}x{d}xi8>" in t
 
 
 def test_backend_without_host_memory_falls_back(monkeypatch, tiny_p):
