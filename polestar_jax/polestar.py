@@ -386,7 +386,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
 
     1. the *packet* (rows the previous layer recomputed, ``pk_valid``): their stored inputs are read (for the
        centroid shift) and overwritten with the new ones, and their K/V are projected with the block's and
-       written into the cache;
+       written into the cache (only the store traffic is compacted here);
     2. the cluster drift of the shifted centroids against that cache selects the top clusters; the stored
        inputs of the selected rows that are not in the packet are read;
     3. the block rows and the selected rows go through the rest of the layer (Q, attention, MLP); the
@@ -431,39 +431,36 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
                      jnp.int32(0), jnp.int32(0))
             return (out, pk_h, pk_valid, (qr, M.apply_rope(kk, kc, ks))), ((kk, vv, (), cent, s_prev), stats)
 
-        # stage 1: the packet rows. Their stored inputs (old values: the centroid shift) are replaced by
-        # the new ones where clustered here, and their K/V join the block's in the cache (spec J8)
+        # stage 1: the packet rows. Their stored inputs are read (old values: the centroid shift) and replaced
+        # by the new ones where clustered here, and their K/V join the block's in the cache (spec J8). Only
+        # the store traffic is compacted: the K/V projection and the shift run over all R rows, masked, so
+        # each width branch is small (each stage-1 branch compiled the layer's K/V path otherwise)
         patch = pk_valid & (labels >= 0)
 
         def stage1(w):
             def run():
                 if w == 0:
-                    kk, vv = write_block(kcache, vcache, *M.project_kv(lp, h_blk, cfg))
-                    return store, cent, kk, vv, jnp.zeros_like(pk_h), jnp.zeros_like(pk_valid)
+                    return store, jnp.zeros_like(pk_h), jnp.zeros_like(pk_valid)
                 idx, val = RF.compact(pk_valid, w)
-                hp = RF.take_rows(pk_h, idx)  # [b, w, D]
-                lab = RF.take_rows(labels, idx)
-                pt = RF.take_rows(patch, idx) & val
-                # the w rows move whole (padding rows too: they are distinct real rows), and stage 2 reuses them
-                got = OF.fetch_rows(store[0], store[1], idx, jnp.ones_like(val), pc, dt)
-                old = jnp.where(pt[..., None], got, jnp.zeros((), dt))
-                new_store = OF.write_rows(store[0], store[1], idx, pt, hp, pc)
-                # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
-                new_cent = centroid_shift(cent, lab, counts, pt, old, hp, backend=kb)
-                k, v = M.project_kv(lp, jnp.concatenate([h_blk, hp], axis=1), cfg)
-                kk, vv = write_block(kcache, vcache, k[:, :, :block], v[:, :, :block])
-                wvalid = val & RF.take_rows(geo.ref_valid, idx)
-                widx = RF.take_rows(ref_idx, idx)
-                kk = scatter_kv_rows(kk, k[:, :, block:], widx, wvalid, backend=kb)
-                vv = scatter_kv_rows(vv, v[:, :, block:], widx, wvalid, backend=kb)
                 ones = jnp.ones_like(val)
-                return (new_store, new_cent, kk, vv, RF.spread_rows(got, idx, ones, r_rows),
-                        RF.spread_rows(ones, idx, ones, r_rows))
+                # the w rows move whole (padding rows too: they are distinct real rows), and stage 2 reuses them
+                got = OF.fetch_rows(store[0], store[1], idx, ones, pc, dt)
+                new_store = OF.write_rows(store[0], store[1], idx, RF.take_rows(patch, idx) & val,
+                                          RF.take_rows(pk_h, idx), pc)
+                return new_store, RF.spread_rows(got, idx, ones, r_rows), RF.spread_rows(ones, idx, ones, r_rows)
             return run
 
         n_pk = jnp.sum(pk_valid, axis=1)
-        store_new, cent, kk, vv, got_rows, have = RF.by_width(n_pk, ws, stage1)
+        store_new, got_rows, have = RF.by_width(n_pk, ws, stage1)
         n_read = RF.by_width(n_pk, ws, lambda w: lambda: jnp.int32(w))
+        # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
+        old = jnp.where(patch[..., None], got_rows, jnp.zeros((), dt))
+        cent = centroid_shift(cent, labels, counts, patch, old, pk_h, backend=kb)
+        k, v = M.project_kv(lp, jnp.concatenate([h_blk, pk_h], axis=1), cfg)
+        kk, vv = write_block(kcache, vcache, k[:, :, :block], v[:, :, :block])
+        wvalid = pk_valid & geo.ref_valid
+        kk = scatter_kv_rows(kk, k[:, :, block:], ref_idx, wvalid, backend=kb)
+        vv = scatter_kv_rows(vv, v[:, :, block:], ref_idx, wvalid, backend=kb)
 
         # the cluster drift of the (shifted) centroids against the updated cache selects the clusters
         qc_ = Dr.proxy_queries(lp, cent, cfg)
@@ -495,20 +492,20 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         # stage 3: the rest of the layer for the block rows and the selected rows
         def stage3(w):
             def run():
-                if w == 0:
-                    out, qr = block_rows_only(lp, h_blk, kk, vv)
-                    return out, jnp.zeros_like(pk_h), qr
                 idx, val = RF.compact(sel, w)
                 rows = jnp.concatenate([h_blk, RF.take_rows(inputs, idx)], axis=1)
                 qc, qs = M.rope_tables(jnp.concatenate([blk_qpos, RF.take_rows(ref_qpos, idx)], axis=1),
                                        cfg.head_dim, cfg.rope_theta)
                 qr = M.apply_rope(M.project_q(lp, rows, cfg), qc, qs)
-                out = M.finish_layer(lp, rows, M.attention(qr, M.apply_rope(kk, kc, ks), vv, state.key_valid), cfg)
+                out = M.finish_layer(lp, rows, M.attention(qr, kr, vv, state.key_valid), cfg)
                 return out[:, :block], RF.spread_rows(out[:, block:], idx, val, r_rows), qr[:, :, :block]
             return run
 
-        out_blk, pk_out, q_blk = RF.by_width(jnp.sum(sel, axis=1), ws, stage3)
-        carry = (out_blk, pk_out, sel, (q_blk, M.apply_rope(kk, kc, ks)))
+        # (no width-0 branch here: a layer that selects nothing in the whole batch is rare, and each branch of
+        # this stage compiles the whole attention + MLP)
+        kr = M.apply_rope(kk, kc, ks)  # (once, outside the branches)
+        out_blk, pk_out, q_blk = RF.by_width(jnp.sum(sel, axis=1), ws[1:], stage3)
+        carry = (out_blk, pk_out, sel, (q_blk, kr))
         stats = (score, sel_c, own & cluster_rows[:, None], jnp.sum(sel, axis=1).astype(jnp.int32),
                  n_read, n_fetch)
         return carry, ((kk, vv, store_new, cent, s_prev), stats)

@@ -67,8 +67,10 @@ def spread_rows(rows: jax.Array, idx: jax.Array, valid: jax.Array, n_rows: int, 
 
 
 def by_width(counts: jax.Array, ws: Sequence[int], stage: Callable[[int], Callable[[], T]]) -> T:
-    """Runs ``stage(w)()`` for the smallest width ``w`` of ``ws`` (ascending, ``ws[0] == 0``) that holds
-    ``max(counts)`` ([b] selected rows per batch row); every branch is compiled, one runs."""
+    """Runs ``stage(w)()`` for the smallest width ``w`` of ``ws`` (ascending; the last must hold every count)
+    that holds ``max(counts)`` ([b] selected rows per batch row); every branch is compiled, one runs."""
+    if len(ws) == 1:
+        return stage(ws[0])()
     n = jnp.max(counts)
     index = jnp.sum(jnp.asarray(ws[:-1], jnp.int32) < n).astype(jnp.int32)
     return lax.switch(index, [stage(w) for w in ws])
