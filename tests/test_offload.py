@@ -159,14 +159,14 @@ def test_generate_with_offload(tiny_p):
 
 
 def test_offload_placement_annotations_in_gpu_export(tiny_p):
-    """The whole block step exported for cuda: with int8 offload the store arguments/results carry
+    """The whole block step exported for cuda (and tpu): with int8 offload the store arguments/results carry
     ``memory_kind = "pinned_host"``, the module moves rows with ``annotate_device_placement`` and gathers /
     scatters them with host computations; without offload none of these appears."""
     from polestar_jax.step import EngineSpec, Knobs, run_block
 
     cfg, params = tiny_p
     texts = {}
-    for mode in ("none", "int8"):
+    for mode, platform in (("none", "cuda"), ("int8", "cuda"), ("int8", "tpu")):
         pc = PolestarConfig(offload_hidden=mode)
         dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK, polestar=pc)
         state = jax.eval_shape(lambda: _start_state(cfg, pc, PROMPTS, place=False))
@@ -179,11 +179,11 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
         abstract_params = jax.eval_shape(lambda: params)
         knobs = jax.eval_shape(lambda: Knobs.from_config(dc))
         checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]  # the Pallas kernels
-        exp = jax.export.export(jax.jit(run_block, static_argnames=("spec",)), platforms=["cuda"],
+        exp = jax.export.export(jax.jit(run_block, static_argnames=("spec",)), platforms=[platform],
                                 disabled_checks=checks)(
             abstract_params, state, jax.ShapeDtypeStruct((), jnp.int32), knobs, None,
             spec=EngineSpec.from_config(cfg, dc))
-        texts[mode] = exp.mlir_module()
+        texts[mode if platform == "cuda" else platform] = exp.mlir_module()
     t = texts["int8"]
     assert 'mhlo.memory_kind = "pinned_host"' in t
     assert '_xla_buffer_placement = "pinned_host"' in t and '_xla_buffer_placement = "device"' in t
@@ -194,6 +194,8 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
     # compiled width (R / 4 rows of int8) is one of the moved shapes
     assert '_xla_compute_type = "host"' in t and "_xla_compute_type" not in texts["none"]
     assert f"tensor<2x{r // 4}x{d}xi8>" in t
+    # the same step lowers for TPU, with the same host placement and host computations
+    assert 'mhlo.memory_kind = "pinned_host"' in texts["tpu"] and '_xla_compute_type = "host"' in texts["tpu"]
 
 
 def test_backend_without_host_memory_falls_back(monkeypatch, tiny_p):
