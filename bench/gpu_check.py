@@ -122,6 +122,7 @@ class CheckConfig:
     model_config: str = LLADA_8B_CONFIG
     flops: bool = True  # XLA cost analysis of the unrolled lowering
     offload_hidden: str = "none"  # Polestar's hidden-state store: none | int8 | bf16 (pinned_host memory)
+    refresh_buckets: int = PolestarConfig.refresh_buckets  # compiled widths per refresh stage
 
 
 def _log(msg: str) -> None:
@@ -163,7 +164,7 @@ def make_state(cfg: ModelConfig, cc: CheckConfig, polestar: bool):
     if polestar:
         from polestar_jax.offload import place_store
 
-        pc = PolestarConfig(offload_hidden=cc.offload_hidden)
+        pc = PolestarConfig(offload_hidden=cc.offload_hidden, refresh_buckets=cc.refresh_buckets)
         pol = PS.init_cache(cfg, pc, cc.batch, cc.prompt_length + cc.gen_length, cc.block_length, n_blocks,
                             jnp.bfloat16)
         hs, hs_scale = place_store(pol.hs, pol.hs_scale, pc)  # host memory when offloaded, as the engine does
@@ -181,7 +182,8 @@ def _copy(tree):
 def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str) -> Callable:
     """``fn(params, state, cs) -> (outputs, state)`` of one step kind (``lm_head``: ``fn(params, h, cs)``)."""
     B = cc.block_length
-    pc = PolestarConfig(kernels="reference" if kernels == "none" else kernels, offload_hidden=cc.offload_hidden)
+    pc = PolestarConfig(kernels="reference" if kernels == "none" else kernels, offload_hidden=cc.offload_hidden,
+                        refresh_buckets=cc.refresh_buckets)
     if kind == "lm_head":
         return lambda p, h, cs: (M.lm_head(p, h, cfg), h)
     if kind in ("full", "dual_step"):
@@ -590,6 +592,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any backend, < 1 minute on a CPU")
     ap.add_argument("--offload-hidden", default="none", choices=["none", "int8", "bf16"],
                     help="Polestar's hidden-state store in host memory (run once with and once without)")
+    ap.add_argument("--refresh-buckets", type=int, default=PolestarConfig.refresh_buckets,
+                    help="compiled widths per refresh stage (1: every window row, as a dense refresh)")
     args = ap.parse_args(argv)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     bad = [k for k in kinds if k not in KINDS]
@@ -601,7 +605,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                      batch=args.batch, repeats=pick(args.repeats, 20, 2), warmup=pick(args.warmup, 2, 1),
                      seed=args.seed, budget_s=args.budget_s, peak_hbm_gbs=args.peak_hbm_gbs,
                      peak_tflops=args.peak_tflops, smoke=args.smoke, kinds=kinds, model_config=args.model_config,
-                     flops=not args.no_flops, offload_hidden=args.offload_hidden)
+                     flops=not args.no_flops, offload_hidden=args.offload_hidden,
+                     refresh_buckets=args.refresh_buckets)
+    if args.refresh_buckets < 1:
+        ap.error("--refresh-buckets must be >= 1")
     pc = PolestarConfig()
     if cc.gen_length % cc.block_length or cc.prompt_length < pc.prefix_blocks * cc.block_length:
         ap.error("gen length must be a multiple of the block length, and the prompt at least "

@@ -262,9 +262,11 @@ def _check_polestar_case(name: str, res, row: int, case: dict, method: str) -> C
 
 def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
                            progress: Callable[[CaseResult], None] = lambda r: None, batch: int = 1,
-                           mesh=None, kernels: str = "auto") -> list[CaseResult]:
+                           mesh=None, kernels: str = "auto",
+                           refresh_buckets: Optional[int] = None) -> list[CaseResult]:
     """Replays the run files of a Polestar-format folder (see the module docstring), ``batch`` cases of
-    a run file at a time."""
+    a run file at a time (``refresh_buckets``: the compiled refresh widths, default as ``PolestarConfig``;
+    the result does not depend on it)."""
     import jax.numpy as jnp
 
     from polestar_jax.config import DecodeConfig, PolestarConfig
@@ -280,7 +282,9 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
         method = m["method"]
         if method == "polestar":
             dcfg = DecodeConfig(decoder="polestar", cache="dual", gen_length=gen, block_length=block,
-                                steps=steps, threshold=0.9, polestar=PolestarConfig(kernels=kernels))
+                                steps=steps, threshold=0.9,
+                                polestar=PolestarConfig(kernels=kernels, refresh_buckets=refresh_buckets
+                                                        or PolestarConfig.refresh_buckets))
             traces = _read_json(os.path.join(folder, "traces", stem + ".trace.json"))["traces"]
         else:
             dcfg = decode_config_for_method(method, gen, block, steps)
