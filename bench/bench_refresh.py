@@ -34,7 +34,7 @@ from bench import tasks as T
 from bench.run import DECODERS, decode_config
 from polestar_jax import refresh as RF
 from polestar_jax.checkpoint import generation_defaults, load_model
-from polestar_jax.config import PolestarConfig
+from polestar_jax.config import OFFLOAD_HIDDEN, PolestarConfig
 from polestar_jax.engine import generate
 from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
 
@@ -45,9 +45,9 @@ DEFAULT_OUT = os.path.join(_REPO_ROOT, "bench", "results")
 def accounting(steps: Sequence, pc: PolestarConfig, n_rows: int) -> dict:
     """Sums over the StepOut buffers of a run (each with ``cluster`` [S, b], ``moved_rows`` and
     ``refreshed_rows`` [S, b, N], numpy): refresh steps, and per refreshing layer the rows moved, the rows
-    computed (stage 3's width: the smallest width of ``RF.widths(pc, n_rows)`` holding the batch's largest
-    selection) and the rows selected (mean over the refreshing batch rows)."""
-    ws = np.asarray(RF.widths(pc, n_rows))
+    computed (stage 3's width: the smallest nonzero width of ``RF.widths(pc, n_rows)`` holding the batch's
+    largest selection) and the rows selected (mean over the refreshing batch rows)."""
+    ws = np.asarray(RF.widths(pc, n_rows)[1:])  # stage 3 has no width 0
     n = moved = computed = selected = 0.0
     for st in steps:
         cl = np.asarray(st.cluster)  # [S, b]
@@ -67,6 +67,11 @@ def accounting(steps: Sequence, pc: PolestarConfig, n_rows: int) -> dict:
 
 def run(buckets=(1, 2, 4, 8), batches=(72, 1), n: int = 16, model: Optional[str] = None,
         offload_hidden: str = "none") -> list[dict]:
+    """One row per (batch size, bucket count): the :func:`accounting` fractions, ``rows_differ`` against the
+    1-bucket (dense) run, which always runs first, and compile / decode seconds. Instance i decodes with seed i
+    in every batch; the last batch is padded with copies of its first prompt, and the padding rows count in
+    the accounting (the executable does their work)."""
+    buckets = (1,) + tuple(q for q in buckets if q != 1)
     model_dir = model or bundled_model_dir()
     mcfg, params = load_model(model_dir)
     tok = load_tokenizer(model_dir)
@@ -107,7 +112,8 @@ def run(buckets=(1, 2, 4, 8), batches=(72, 1), n: int = 16, model: Optional[str]
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| batch | buckets | widths | refresh steps | rows moved / R | rows computed / R | rows selected / R "
+    """The rows of :func:`run` as a markdown table."""
+    lines = ["| batch | buckets | widths | refresh steps | rows read / R | rows computed / R | rows selected / R "
              "| instances differing | compile s | decode s |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -119,21 +125,21 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_refresh", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 instances per task, buckets 1,4, batch 4")
-    ap.add_argument("--buckets", default="1,2,4,8")
-    ap.add_argument("--batches", default="72,1")
-    ap.add_argument("--n", type=int, default=16, help="instances per task")
+    ap.add_argument("--quick", action="store_true", help="defaults: 2 instances per task, buckets 1,4, batch 4")
+    ap.add_argument("--buckets", default=None, help="bucket counts (default 1,2,4,8; 1 always runs, first)")
+    ap.add_argument("--batches", default=None, help="batch sizes (default 72,1)")
+    ap.add_argument("--n", type=int, default=None, help="instances per task (default 16)")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--offload-hidden", default="none", choices=["none", "int8", "bf16"])
+    ap.add_argument("--offload-hidden", default="none", choices=list(OFFLOAD_HIDDEN))
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
+    quick = args.quick
     try:
-        ints = lambda s: tuple(int(x) for x in s.split(","))
-        buckets, batches, n = ints(args.buckets), ints(args.batches), args.n
+        ints = lambda s, full, small: tuple(int(x) for x in s.split(",")) if s else (small if quick else full)
+        buckets, batches = ints(args.buckets, (1, 2, 4, 8), (1, 4)), ints(args.batches, (72, 1), (4,))
     except ValueError:
         ap.error("--buckets and --batches take comma-separated integers")
-    if args.quick:
-        buckets, batches, n = (1, 4), (4,), 2
+    n = args.n if args.n is not None else (2 if quick else 16)
     if min(buckets) < 1 or min(batches) < 1 or n < 1:
         ap.error("buckets, batches and --n must be >= 1")
     rows = run(buckets, batches, n, args.model, args.offload_hidden)

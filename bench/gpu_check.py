@@ -98,7 +98,7 @@ KINDS = ("lm_head", "full", "polestar_start", "dual_step", "polestar_step", "pol
 KERNEL_KINDS = ("polestar_step", "polestar_refresh_step")
 KERNEL_MODES = ("pallas", "reference")
 #: The kernels the Polestar decode steps dispatch (see kernels/backend.py SUPPORTED).
-STEP_KERNELS = ("kl_drift", "scatter_rows", "centroid_shift")
+STEP_KERNELS = ("kl_drift", "gather_rows", "scatter_rows", "centroid_shift")
 
 H200_HBM_GBS = 4800.0  # HBM3e, GB/s (1e9 bytes/s)
 H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak, TFLOP/s

@@ -265,7 +265,7 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
                            mesh=None, kernels: str = "auto",
                            refresh_buckets: Optional[int] = None) -> list[CaseResult]:
     """Replays the run files of a Polestar-format folder (see the module docstring), ``batch`` cases of
-    a run file at a time (``refresh_buckets``: the compiled refresh widths, default as ``PolestarConfig``;
+    a run file at a time (``refresh_buckets``: the compiled refresh widths, None = PolestarConfig's default;
     the result does not depend on it)."""
     import jax.numpy as jnp
 
@@ -273,6 +273,7 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
     from polestar_jax.engine import generate
     from polestar_jax.replay import build_replay
 
+    knobs = {} if refresh_buckets is None else {"refresh_buckets": refresh_buckets}
     results: list[CaseResult] = []
     for path, m in polestar_run_files(folder):
         stem = os.path.basename(path)[:-5]
@@ -283,8 +284,7 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
         if method == "polestar":
             dcfg = DecodeConfig(decoder="polestar", cache="dual", gen_length=gen, block_length=block,
                                 steps=steps, threshold=0.9,
-                                polestar=PolestarConfig(kernels=kernels, refresh_buckets=refresh_buckets
-                                                        or PolestarConfig.refresh_buckets))
+                                polestar=PolestarConfig(kernels=kernels, **knobs))
             traces = _read_json(os.path.join(folder, "traces", stem + ".trace.json"))["traces"]
         else:
             dcfg = decode_config_for_method(method, gen, block, steps)

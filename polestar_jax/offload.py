@@ -39,7 +39,7 @@ from polestar_jax.kernels.refresh import dequantize_rows, gather_rows, quantize_
 HOST_MEMORY_KIND = "pinned_host"
 
 __all__ = ["HOST_MEMORY_KIND", "host_memory_available", "uses_host", "store_dtype", "encode", "decode",
-           "to_host", "to_device", "fetch_rows", "write_rows", "place_store", "store_bytes"]
+           "to_host", "fetch_rows", "write_rows", "place_store", "store_bytes"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,11 +82,6 @@ def decode(stored: jax.Array, scale: jax.Array, pc: PolestarConfig, dtype) -> ja
 def to_host(x: jax.Array, pc: PolestarConfig) -> jax.Array:
     """Inside a jitted step: ``x`` placed in host memory when the store is offloaded (else unchanged)."""
     return jax.device_put(x, jax.memory.Space.Host) if uses_host(pc) else x
-
-
-def to_device(x: jax.Array, pc: PolestarConfig) -> jax.Array:
-    """Inside a jitted step: ``x`` moved to device memory when the store is offloaded (else unchanged)."""
-    return jax.device_put(x, jax.memory.Space.Device) if uses_host(pc) else x
 
 
 @compute_on("device_host")

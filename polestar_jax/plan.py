@@ -29,15 +29,15 @@ class MemoryPlan:
     compile_seconds: float
     bf16: bool = False
     hs_memory: str = "device"  # where the stored hidden states live ("device" or "pinned_host")
-    hs_device_transient_bytes_per_seq: int = 0  # one layer's rows on the device during a refresh (offloaded)
+    hs_device_transient_bytes_per_seq: int = 0  # most a refreshing layer moves to the device: one layer's encoded rows
 
     def lines(self) -> list[str]:
         gib = lambda n: f"{n / 2**30:.3f} GiB"
         out = [f"parameters: {gib(self.param_bytes)} ({self.param_bytes:,} bytes)",
                f"KV cache per sequence: {gib(self.kv_bytes_per_seq)}",
                f"hidden states per sequence (Polestar refresh rows): {gib(self.hs_bytes_per_seq)} in "
-               f"{self.hs_memory} memory" + (f" ({gib(self.hs_device_transient_bytes_per_seq)} on the device "
-                                             "during a layer's refresh)" if self.hs_memory != "device" else ""),
+               f"{self.hs_memory} memory" + (f" (at most {gib(self.hs_device_transient_bytes_per_seq)} "
+                                             "crosses to the device per refreshing layer)" if self.hs_memory != "device" else ""),
                f"other Polestar state per sequence: {gib(self.polestar_other_bytes_per_seq)}",
                f"decode state for the batch: {gib(self.state_bytes)}"]
         if self.compiled:

@@ -410,12 +410,6 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     kdim = pc.n_clusters
     ws = RF.widths(pc, r_rows)
 
-    def block_rows_only(lp, h_blk, kk, vv):
-        qc, qs = M.rope_tables(blk_qpos, cfg.head_dim, cfg.rope_theta)
-        qr = M.apply_rope(M.project_q(lp, h_blk, cfg), qc, qs)
-        out = M.finish_layer(lp, h_blk, M.attention(qr, M.apply_rope(kk, kc, ks), vv, state.key_valid), cfg)
-        return out, qr
-
     def write_block(kcache, vcache, k, v):
         return (lax.dynamic_update_slice_in_dim(kcache, k, geo.cs, axis=2),
                 lax.dynamic_update_slice_in_dim(vcache, v, geo.cs, axis=2))
@@ -423,13 +417,15 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     def layer(carry, xs):
         h_blk, pk_h, pk_valid, _ = carry
         lp, kcache, vcache, store, labels, cent, counts, n_cl, s_prev, fsel, fhas, li = xs
-        if not refresh:
+        if not refresh:  # the block rows only
             kk, vv = write_block(kcache, vcache, *M.project_kv(lp, h_blk, cfg))
-            out, qr = block_rows_only(lp, h_blk, kk, vv)
+            qc, qs = M.rope_tables(blk_qpos, cfg.head_dim, cfg.rope_theta)
+            qr, kr = M.apply_rope(M.project_q(lp, h_blk, cfg), qc, qs), M.apply_rope(kk, kc, ks)
+            out = M.finish_layer(lp, h_blk, M.attention(qr, kr, vv, state.key_valid), cfg)
             zeros_k = jnp.zeros((b, kdim), bool)
             stats = (jnp.full((b, kdim), -jnp.inf), zeros_k, zeros_k, jnp.zeros((b,), jnp.int32),
                      jnp.int32(0), jnp.int32(0))
-            return (out, pk_h, pk_valid, (qr, M.apply_rope(kk, kc, ks))), ((kk, vv, (), cent, s_prev), stats)
+            return (out, pk_h, pk_valid, (qr, kr)), ((kk, vv, (), cent, s_prev), stats)
 
         # stage 1: the packet rows. Their stored inputs are read (old values: the centroid shift) and replaced
         # by the new ones where clustered here, and their K/V join the block's in the cache (spec J8). Only
@@ -452,7 +448,7 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
 
         n_pk = jnp.sum(pk_valid, axis=1)
         store_new, got_rows, have = RF.by_width(n_pk, ws, stage1)
-        n_read = RF.by_width(n_pk, ws, lambda w: lambda: jnp.int32(w))
+        n_read = RF.chosen_width(n_pk, ws)
         # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
         old = jnp.where(patch[..., None], got_rows, jnp.zeros((), dt))
         cent = centroid_shift(cent, labels, counts, patch, old, pk_h, backend=kb)
@@ -480,13 +476,14 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
         def stage2(w):
             def run():
                 if w == 0:
-                    return jnp.zeros_like(pk_h), jnp.int32(0)
+                    return jnp.zeros_like(pk_h)
                 idx, val = RF.compact(need, w)
                 rows = OF.fetch_rows(store[0], store[1], idx, val, pc, dt)
-                return RF.spread_rows(rows, idx, val, r_rows), jnp.int32(w)
+                return RF.spread_rows(rows, idx, val, r_rows)
             return run
 
-        fetched, n_fetch = RF.by_width(jnp.sum(need, axis=1), RF.complement_widths(ws, r_rows), stage2)
+        n_need, ws2 = jnp.sum(need, axis=1), RF.complement_widths(ws, r_rows)
+        fetched, n_fetch = RF.by_width(n_need, ws2, stage2), RF.chosen_width(n_need, ws2)
         inputs = jnp.where(pk_valid[..., None], pk_h, jnp.where(have[..., None], got_rows, fetched))  # [b, R, D]
 
         # stage 3: the rest of the layer for the block rows and the selected rows

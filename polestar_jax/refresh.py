@@ -23,7 +23,7 @@ from polestar_jax.config import PolestarConfig
 
 T = TypeVar("T")
 
-__all__ = ["widths", "complement_widths", "compact", "take_rows", "spread_rows", "by_width"]
+__all__ = ["widths", "complement_widths", "compact", "take_rows", "spread_rows", "chosen_width", "by_width"]
 
 
 def widths(pc: PolestarConfig, n_rows: int) -> tuple[int, ...]:
@@ -66,11 +66,20 @@ def spread_rows(rows: jax.Array, idx: jax.Array, valid: jax.Array, n_rows: int, 
     return jnp.moveaxis(out, 1, axis)
 
 
+def _branch(counts: jax.Array, ws: Sequence[int]) -> jax.Array:
+    """Index into ``ws`` of the smallest width holding ``max(counts)`` (int32 scalar)."""
+    return jnp.sum(jnp.asarray(ws[:-1], jnp.int32) < jnp.max(counts)).astype(jnp.int32)
+
+
+def chosen_width(counts: jax.Array, ws: Sequence[int]) -> jax.Array:
+    """The width :func:`by_width` runs for ``counts`` [b] (int32 scalar): the smallest of ``ws`` (ascending)
+    that holds ``max(counts)``."""
+    return jnp.asarray(ws, jnp.int32)[_branch(counts, ws)]
+
+
 def by_width(counts: jax.Array, ws: Sequence[int], stage: Callable[[int], Callable[[], T]]) -> T:
     """Runs ``stage(w)()`` for the smallest width ``w`` of ``ws`` (ascending; the last must hold every count)
     that holds ``max(counts)`` ([b] selected rows per batch row); every branch is compiled, one runs."""
     if len(ws) == 1:
         return stage(ws[0])()
-    n = jnp.max(counts)
-    index = jnp.sum(jnp.asarray(ws[:-1], jnp.int32) < n).astype(jnp.int32)
-    return lax.switch(index, [stage(w) for w in ws])
+    return lax.switch(_branch(counts, ws), [stage(w) for w in ws])

@@ -124,7 +124,7 @@ BAD_INPUTS = {  # name -> (argv builder, expected message part)
 }
 
 
-def test_generate_lengths_default_to_the_model_folder(bad_folders, tmp_path, capsys):
+def test_generate_lengths_default_to_the_model_folder(tmp_path, capsys):
     """Without --gen-length/--block-length the model folder's generation_config.json decides; flags win."""
     d = tmp_path / "m"
     shutil.copytree(bundled_model_dir(), d)

@@ -78,17 +78,17 @@ def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
     cfg, _ = tiny_p
     exact = np.asarray(started["none"].polestar.hs)
     assert np.abs(exact).max() > 0
-    for mode in ("int8",):  # (bf16's encoding: test_encode_decode_roundtrip)
-        pol = started[mode].polestar
-        pc = PolestarConfig(offload_hidden=mode)
-        assert pol.hs.dtype == OF.store_dtype(pc, jnp.float32)
-        if OF.host_memory_available():
-            assert pol.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
-            assert pol.hs_scale.sharding.memory_kind == OF.HOST_MEMORY_KIND
-        back = np.asarray(OF.decode(jnp.asarray(np.asarray(pol.hs)), jnp.asarray(np.asarray(pol.hs_scale)),
-                                    pc, jnp.float32))
-        tol = np.abs(exact).max(-1, keepdims=True) / 254 if mode == "int8" else np.abs(exact) * 2.0 ** -8
-        assert (np.abs(back - exact) <= tol * (1 + 1e-5) + 1e-12).all(), mode
+    # (int8 here; bf16's encoding: test_encode_decode_roundtrip)
+    pol = started["int8"].polestar
+    pc = PolestarConfig(offload_hidden="int8")
+    assert pol.hs.dtype == OF.store_dtype(pc, jnp.float32)
+    if OF.host_memory_available():
+        assert pol.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
+        assert pol.hs_scale.sharding.memory_kind == OF.HOST_MEMORY_KIND
+    back = np.asarray(OF.decode(jnp.asarray(np.asarray(pol.hs)), jnp.asarray(np.asarray(pol.hs_scale)),
+                                pc, jnp.float32))
+    tol = np.abs(exact).max(-1, keepdims=True) / 254  # half a quantisation step
+    assert (np.abs(back - exact) <= tol * (1 + 1e-5) + 1e-12).all()
     # everything else of the block start is the exact pass (the store is only written there)
     for name in ("labels", "n_clusters", "counts"):
         np.testing.assert_array_equal(getattr(started["int8"].polestar, name), getattr(started["none"].polestar, name))
@@ -126,7 +126,6 @@ def test_refresh_patches_only_selected_rows(tiny_p, started):
         assert changed.any(), "no row refreshed"
         assert not (changed & ~expected).any(), "only rows of selected clusters are patched"
         assert changed.sum() >= 0.9 * expected.sum()  # (a patched row may round to its old bits)
-        assert changed.sum() < changed.size
         if mode == "int8" and OF.host_memory_available():
             assert out.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
     np.testing.assert_array_equal(np.asarray(outs["none"].selected), np.asarray(outs["int8"].selected))
