@@ -29,7 +29,6 @@ one run, not runs of different machines.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -47,8 +46,9 @@ import numpy as np
 from polestar_jax import model as M
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.engine import generate
-from polestar_jax.state import init_state
-from polestar_jax.step import EngineSpec, cached_forward, full_forward
+from polestar_jax.block import EngineSpec
+from polestar_jax.samplers import cached_forward, full_forward
+from polestar_jax.state import init_decode_state
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(_REPO_ROOT, "bench", "results")
@@ -190,9 +190,9 @@ def bench_decoder(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig, 
         "distinct_tokens": int(len(np.unique(tokens))),
         "all_committed": bool(np.all(tokens != cfg.mask_token_id)),
         **({} if res.polestar is None else {
-            "refresh_steps": int(res.polestar["cluster_steps"][0].sum()),
+            "refresh_steps": int(res.polestar["refresh_steps"][0].sum()),
             "block_starts": int(res.polestar["processed"][0].sum()),
-            "windowed_passes": int(res.polestar["efficient"][0].sum()),
+            "windowed_passes": int(res.polestar["windowed"][0].sum()),
             "early_commits": int(res.polestar["early"][0]),
             "suffix_commits": int(res.polestar["suffix"][0])}),
     }
@@ -227,31 +227,6 @@ def gflops_per_token(row: dict, forwards: list[dict], n_blocks: int) -> Optional
 # ---------------------------------------------------------------------------------------------- forwards
 
 
-class _LaxWithUnrolledScan:
-    """``jax.lax`` with ``scan(..., unroll=True)``: swapped into :mod:`polestar_jax.model` while lowering a
-    forward for FLOP counting only (XLA's cost analysis counts a while-loop body once, not per trip)."""
-
-    def __getattr__(self, name):
-        return getattr(jax.lax, name)
-
-    @staticmethod
-    def scan(f, init, xs=None, length=None, **kw):
-        kw["unroll"] = True
-        return jax.lax.scan(f, init, xs, length, **kw)
-
-
-@contextlib.contextmanager
-def _unrolled_layer_scan():
-    from polestar_jax import polestar as PS
-
-    saved = M.lax, PS.lax
-    M.lax = PS.lax = _LaxWithUnrolledScan()  # the layer scans of model.py and polestar.py
-    try:
-        yield
-    finally:
-        M.lax, PS.lax = saved
-
-
 def cost_flops(compiled) -> Optional[float]:
     """'flops' of a compiled executable's XLA cost analysis (dict, list of dicts or None), or None."""
     try:
@@ -280,55 +255,56 @@ def analytic_flops(cfg: ModelConfig, q_rows: int, keys: int, head_rows: int) -> 
 
 
 def forward_kinds(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig) -> list[tuple]:
-    """For each forward kind: (kind, cache, fn(params, state, cs) -> block logits, state, cs, query rows,
-    key count, description); ``cs`` is the first block's start, the state is the initial decode state."""
-    n_blocks = bc.gen_length // bc.block_length
+    """For each forward kind: (kind, cache, make(unroll) -> fn(params, state, cs) -> block logits, state, cs,
+    query rows, key count, description); ``cs`` is the first block's start, the state is the initial decode
+    state; ``unroll`` is the layer scans' (True: fully unrolled, for XLA's cost analysis, which counts a
+    loop body once)."""
+    from polestar_jax import polestar_state as PSt
+    from polestar_jax.polestar_step import step_forward
+
     length = bc.prompt_length + bc.gen_length
     out = []
     for kind, cache in (("full", "none"), ("prefix_step", "prefix"), ("dual_step", "dual")):
-        spec = EngineSpec.from_config(cfg, decode_config(bc, "fastdllm", cache, bc.threshold))
-        state = init_state([prompt], cfg, bc.gen_length, bc.prompt_length, n_blocks, [bc.seed],
-                           cache=cache != "none")
+        dcfg = decode_config(bc, "fastdllm", cache, bc.threshold)
+        state = init_decode_state(cfg, dcfg, [prompt], bc.prompt_length, seed=bc.seed)
         cs = jnp.int32(bc.prompt_length)  # first block
+        spec_of = lambda u, dcfg=dcfg: EngineSpec.from_config(cfg, dcfg, unroll=u)
         if cache == "none":
-            fn = (lambda spec: lambda p, s, c: full_forward(p, s, spec, c, keep_cache=False)[0])(spec)
+            make = lambda u, spec_of=spec_of: lambda p, s, c: full_forward(p, s, spec_of(u), c, keep_cache=False)[0]
             q_rows, desc = length, f"whole sequence, {length} rows (LM head on the {bc.block_length}-row block)"
         else:
             # the cache holds zeros: a forward has no data-dependent control flow, so its cost does not
             # depend on the cached values (and this saves a compile)
-            fn = (lambda spec: lambda p, s, c: cached_forward(p, s, spec, c)[0])(spec)
+            make = lambda u, spec_of=spec_of: lambda p, s, c: cached_forward(p, s, spec_of(u), c)[0]
             if cache == "prefix":
                 q_rows = bc.gen_length
                 desc = f"{bc.gen_length} generation rows against the cached prefix ({length} keys)"
             else:
                 q_rows = bc.block_length
                 desc = f"{bc.block_length}-row block against cached prefix+suffix ({length} keys)"
-        out.append((kind, cache, fn, state, cs, q_rows, length, desc))
-    # Polestar's decode step without and with the sparse refresh (the refresh computes the block rows and
-    # every prefix/suffix window row in the same layer pass; cost does not depend on the cached values)
-    from polestar_jax import polestar as PS
-
+        out.append((kind, cache, make, state, cs, q_rows, length, desc))
+    # Polestar's decode step without and with the sparse refresh (cost does not depend on the cached values)
     dcfg = decode_config(bc, "polestar", "dual", bc.threshold)
     pc = dcfg.polestar
-    state = init_state([prompt], cfg, bc.gen_length, bc.prompt_length, n_blocks, [bc.seed], cache=True)
-    state = state.replace(polestar=PS.init_cache(cfg, pc, 1, length, bc.block_length, n_blocks, jnp.float32))
+    state = init_decode_state(cfg, dcfg, [prompt], bc.prompt_length, seed=bc.seed)
     cs = jnp.int32(bc.prompt_length)
-    r_rows = (pc.prefix_blocks + pc.suffix_blocks) * bc.block_length
+    r_rows = pc.window_rows(bc.block_length)
     for kind, refresh in (("polestar_step", False), ("polestar_refresh_step", True)):
-        fn = (lambda r: lambda p, s, c: PS.step_forward(p, s, PS.geometry(s, c, bc.block_length, pc), cfg, pc,
-                                                        bc.block_length, r, jnp.ones((1,), bool), None).logits)(refresh)
+        make = (lambda r: lambda u: lambda p, s, c: step_forward(
+            p, s, PSt.geometry(s, c, bc.block_length, pc), cfg, pc, bc.block_length, r, jnp.ones((1,), bool),
+            None, unroll=u).logits)(refresh)
         q_rows = bc.block_length + (r_rows if refresh else 0)
         desc = (f"{bc.block_length}-row block" + (f" + {r_rows} refresh rows" if refresh else "")
                 + f" against the cache ({length} keys), drift" + (" + cluster proxy attention" if refresh else ""))
-        out.append((kind, "dual", fn, state, cs, q_rows, length, desc))
+        out.append((kind, "dual", make, state, cs, q_rows, length, desc))
     return out
 
 
 def bench_forwards(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig) -> list[dict]:
     rows = []
-    for kind, cache, fn, state, cs, q_rows, keys, desc in forward_kinds(params, cfg, prompt, bc):
+    for kind, cache, make, state, cs, q_rows, keys, desc in forward_kinds(params, cfg, prompt, bc):
         t0 = time.perf_counter()
-        compiled = jax.jit(fn).lower(params, state, cs).compile()
+        compiled = jax.jit(make(1)).lower(params, state, cs).compile()
         compile_s = time.perf_counter() - t0
         for _ in range(max(0, bc.forward_warmup)):
             compiled(params, state, cs).block_until_ready()
@@ -342,9 +318,7 @@ def bench_forwards(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig)
         if bc.flops:
             flops_scan = cost_flops(compiled)
             try:
-                with _unrolled_layer_scan():
-                    lowered = jax.jit(lambda p, s, c: fn(p, s, c)).lower(params, state, cs)
-                flops_xla = cost_flops(lowered.compile())
+                flops_xla = cost_flops(jax.jit(make(True)).lower(params, state, cs).compile())
             except Exception as e:  # noqa: BLE001 - FLOPs are a nice-to-have
                 _log(f"  (no unrolled cost analysis for {kind}: {type(e).__name__}: {e})")
         flops_an = analytic_flops(cfg, q_rows, keys, bc.block_length)
@@ -465,7 +439,7 @@ def run_bench(bc: BenchConfig, out_dir: Optional[str] = DEFAULT_OUT, command: st
             "variant 'peaked': LM head scaled by peak_scale (and the mask token's embedding zeroed when "
             "peak_zero_mask_embedding) so that the threshold rule commits several tokens per forward; "
             "the model is random, only speed is meaningful.",
-            "forwards: one jitted forward of each kind from polestar_jax.step (logits only, batch 1), "
+            "forwards: one jitted forward of each kind from polestar_jax.samplers / polestar_step (logits only, batch 1), "
             "median of `reps` runs after warmup; gflops_xla from XLA's cost analysis of the same forward "
             "with the layer scan unrolled (the compiled scan counts its body once: gflops_xla_scan_body_once).",
             "wall-clock on a machine possibly shared with other work: compare rows of one run.",

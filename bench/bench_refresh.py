@@ -1,7 +1,7 @@
 """Rows a Polestar refresh computes and moves, by number of width buckets (issue #4).
 
 A refresh stage runs at the smallest compiled width that holds every batch row's selected rows
-(:mod:`polestar_jax.refresh`, ``PolestarConfig.refresh_buckets``). This runs Polestar on the trained tiny
+(:mod:`polestar_jax.compaction`, ``PolestarConfig.refresh_buckets``). This runs Polestar on the trained tiny
 model over the same held-out task instances for each bucket count and batch size, and reports per refresh
 step (steps where some row of the batch refreshes):
 
@@ -31,15 +31,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from bench import tasks as T
+from bench.common import RESULTS_DIR, decode_batches, load_bench_model, prompt_slot
 from bench.run import DECODERS, decode_config
-from polestar_jax import refresh as RF
-from polestar_jax.checkpoint import generation_defaults, load_model
+from polestar_jax import compaction as RF
 from polestar_jax.config import OFFLOAD_HIDDEN, PolestarConfig
-from polestar_jax.engine import generate
-from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(_REPO_ROOT, "bench", "results")
+DEFAULT_OUT = RESULTS_DIR
 
 
 def accounting(steps: Sequence, pc: PolestarConfig, n_rows: int) -> dict:
@@ -68,19 +65,16 @@ def accounting(steps: Sequence, pc: PolestarConfig, n_rows: int) -> dict:
 def run(buckets=(1, 2, 4, 8), batches=(72, 1), n: int = 16, model: Optional[str] = None,
         offload_hidden: str = "none") -> list[dict]:
     """One row per (batch size, bucket count): the :func:`accounting` fractions, ``rows_differ`` against the
-    1-bucket (dense) run, which always runs first, and compile / decode seconds. Instance i decodes with seed i
-    in every batch; the last batch is padded with copies of its first prompt, and the padding rows count in
-    the accounting (the executable does their work)."""
+    1-bucket (dense) run, which always runs first, and compile / decode seconds. Instance i decodes as row i
+    of the job in every batch (:func:`bench.common.decode_batches`); the last batch is padded with copies of
+    its first prompt, and the padding rows count in the accounting (the executable does their work)."""
     buckets = (1,) + tuple(q for q in buckets if q != 1)
-    model_dir = model or bundled_model_dir()
-    mcfg, params = load_model(model_dir)
-    tok = load_tokenizer(model_dir)
-    gd = generation_defaults(model_dir)
-    gen, block = gd.get("gen_length", 32), gd.get("block_length", 8)
+    bm = load_bench_model(model)
+    mcfg, params, tok, gen, block = bm.mcfg, bm.params, bm.tok, bm.gen_length, bm.block_length
     polestar = next(d for d in DECODERS if d.name == "polestar")
     items = [(t, p) for t in T.TASK_NAMES for p, _ in T.eval_instances(t, n)]
     prompts = [tok.chat_prompt_ids(p) for _, p in items]
-    slot = -(-max(len(p) for p in prompts) // 16) * 16
+    slot = prompt_slot(prompts)
     base = decode_config(polestar, gen, block)
     r_rows = (base.polestar.prefix_blocks + base.polestar.suffix_blocks) * block
     out = []
@@ -90,12 +84,8 @@ def run(buckets=(1, 2, 4, 8), batches=(72, 1), n: int = 16, model: Optional[str]
             pc = dataclasses.replace(base.polestar, refresh_buckets=q, offload_hidden=offload_hidden)
             dcfg = dataclasses.replace(base, polestar=pc)
             toks, steps, decode_s, compile_s = [], [], 0.0, 0.0
-            for i in range(0, len(prompts), batch):
-                chunk = prompts[i:i + batch]
-                seeds = list(range(i, i + batch))  # instance i always gets seed i: batches compare
-                res = generate(params, mcfg, chunk + [chunk[0]] * (batch - len(chunk)), dcfg, seed=seeds,
-                               prompt_slot=slot)
-                toks.append(res.tokens[:len(chunk)])
+            for _, n_real, res in decode_batches(params, mcfg, prompts, dcfg, batch, slot, seed=0):
+                toks.append(res.tokens[:n_real])
                 steps += list(res.steps)  # (padding rows included: the executable does their work)
                 decode_s += res.seconds
                 compile_s += res.compile_seconds

@@ -82,11 +82,15 @@ import numpy as np
 from bench import bench_decoders as BD
 from bench.bench_decoders import _fmt
 from polestar_jax import model as M
-from polestar_jax import polestar as PS
+from polestar_jax import draws as DR
+from polestar_jax import polestar_start as PST
+from polestar_jax import polestar_state as PSt
+from polestar_jax import polestar_step as PSS
+from polestar_jax.block import EngineSpec
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.kernels import backend as KB
-from polestar_jax.state import init_state
-from polestar_jax.step import EngineSpec, cached_forward, full_forward
+from polestar_jax.samplers import cached_forward, full_forward
+from polestar_jax.state import init_decode_state
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLADA_8B_CONFIG = os.path.join(_REPO_ROOT, "tests", "data", "llada8b_config.json")
@@ -94,6 +98,10 @@ LLADA_8B_CONFIG = os.path.join(_REPO_ROOT, "tests", "data", "llada8b_config.json
 #: Step kinds in run order: the LM head first (the per-layer columns subtract it), the full passes next (their
 #: output states feed the steps: a filled K/V cache, real clusters and stored hidden states).
 KINDS = ("lm_head", "full", "polestar_start", "dual_step", "polestar_step", "polestar_refresh_step")
+#: Step kinds the cost models (shape_info, bytes_model, analytic, roofline) also know, for projections of a
+#: decoder's forward mix (``bench.run``): Fast-dLLM's prefix-cache step and Polestar's windowed block start.
+#: The check does not time them.
+MODEL_KINDS = KINDS + ("prefix_step", "polestar_windowed_start")
 #: Kinds that call the Polestar kernels (timed with each of KERNEL_MODES); the others run once ("none").
 KERNEL_KINDS = ("polestar_step", "polestar_refresh_step")
 KERNEL_MODES = ("pallas", "reference")
@@ -158,18 +166,12 @@ def make_state(cfg: ModelConfig, cc: CheckConfig, polestar: bool):
     rng = np.random.default_rng(cc.seed)
     hi = min(cfg.eos_token_id, cfg.pad_token_id, cfg.mask_token_id)
     prompts = [rng.integers(0, hi, cc.prompt_length).tolist() for _ in range(cc.batch)]
-    n_blocks = cc.gen_length // cc.block_length
-    state = init_state(prompts, cfg, cc.gen_length, cc.prompt_length, n_blocks,
-                       [cc.seed + r for r in range(cc.batch)], cache=True, dtype=jnp.bfloat16)
-    if polestar:
-        from polestar_jax.offload import place_store
-
+    if polestar:  # (the store in host memory when offloaded, as the engine does)
         pc = PolestarConfig(offload_hidden=cc.offload_hidden, refresh_buckets=cc.refresh_buckets)
-        pol = PS.init_cache(cfg, pc, cc.batch, cc.prompt_length + cc.gen_length, cc.block_length, n_blocks,
-                            jnp.bfloat16)
-        hs, hs_scale = place_store(pol.hs, pol.hs_scale, pc)  # host memory when offloaded, as the engine does
-        state = state.replace(polestar=pol.replace(hs=hs, hs_scale=hs_scale))
-    return state
+        dcfg = DecodeConfig(decoder="polestar", gen_length=cc.gen_length, block_length=cc.block_length, polestar=pc)
+    else:
+        dcfg = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=cc.gen_length, block_length=cc.block_length)
+    return init_decode_state(cfg, dcfg, prompts, cc.prompt_length, seed=cc.seed, dtype=jnp.bfloat16)
 
 
 def _copy(tree):
@@ -179,8 +181,9 @@ def _copy(tree):
 # ----------------------------------------------------------------------------------------- step kinds
 
 
-def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str) -> Callable:
-    """``fn(params, state, cs) -> (outputs, state)`` of one step kind (``lm_head``: ``fn(params, h, cs)``)."""
+def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str, unroll: int | bool = 1) -> Callable:
+    """``fn(params, state, cs) -> (outputs, state)`` of one step kind (``lm_head``: ``fn(params, h, cs)``);
+    ``unroll``: the layer scans' (True for XLA's cost analysis, which counts a loop body once)."""
     B = cc.block_length
     pc = PolestarConfig(kernels="reference" if kernels == "none" else kernels, offload_hidden=cc.offload_hidden,
                         refresh_buckets=cc.refresh_buckets)
@@ -190,15 +193,15 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str) -> Calla
         cache = "none" if kind == "full" else "dual"
         dcfg = DecodeConfig(decoder="fastdllm", cache=cache, gen_length=cc.gen_length, block_length=B,
                             threshold=0.9)
-        spec = EngineSpec.from_config(cfg, dcfg)
+        spec = EngineSpec.from_config(cfg, dcfg, unroll=unroll)
         if kind == "full":
             return lambda p, s, cs: full_forward(p, s, spec, cs, keep_cache=True)
         return lambda p, s, cs: cached_forward(p, s, spec, cs)
     if kind == "polestar_start":
         def start(p, s, cs):
-            geo = PS.geometry(s, cs, B, pc)
-            draws = PS.block_start_draws(s, geo, cfg, pc, B, None)
-            out = PS.start_pass(p, s, geo, cfg, pc, B, False, draws)
+            geo = PSt.geometry(s, cs, B, pc)
+            draws = DR.block_start_draws(s, geo, cfg, pc, B, None)
+            out = PST.start_pass(p, s, geo, cfg, pc, B, False, draws, unroll=unroll)
             pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels, centroids=out.clusters.centroids,
                                      counts=out.clusters.counts, n_clusters=out.clusters.n, s_prev=out.s_prev,
                                      p_prev=out.p_prev)
@@ -208,9 +211,9 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str) -> Calla
         refresh = kind == "polestar_refresh_step"
 
         def step(p, s, cs):
-            geo = PS.geometry(s, cs, B, pc)
+            geo = PSt.geometry(s, cs, B, pc)
             rows = jnp.ones((s.x.shape[0],), bool)
-            out = PS.step_forward(p, s, geo, cfg, pc, B, refresh, rows, None)
+            out = PSS.step_forward(p, s, geo, cfg, pc, B, refresh, rows, None, unroll=unroll)
             pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk)
             return (out.logits, out.logits_suf, out.drift), s.replace(k_cache=out.k, v_cache=out.v, polestar=pol)
         return step
@@ -224,10 +227,16 @@ def geometry_numbers(cfg: ModelConfig, cc: CheckConfig) -> dict:
             "suffix_rows": pc.suffix_blocks * B, "K": pc.n_clusters}
 
 
-def shape_info(kind: str, cfg: ModelConfig, cc: CheckConfig) -> dict:
-    """query rows, keys, LM-head calls and a description of one step kind."""
+def shape_info(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Optional[float] = None) -> dict:
+    """query rows, keys, LM-head calls and a description of one step kind (``KINDS``, or one of
+    ``MODEL_KINDS``, which only the cost models know). ``refresh_rows`` (``polestar_refresh_step``): the window
+    rows the refresh computes per layer (mean over layers; default all R rows, a dense refresh)."""
     g = geometry_numbers(cfg, cc)
     L, B, R, S = g["L"], g["B"], g["R"], g["suffix_rows"]
+    if refresh_rows is not None:
+        if kind != "polestar_refresh_step":
+            raise ValueError(f"refresh_rows applies to polestar_refresh_step only, not {kind!r}")
+        R = refresh_rows
     if kind == "lm_head":
         return dict(query_rows=B, keys=0, head_calls=1, head_rows=B,
                     description=f"RMSNorm + LM head of {B} rows (no layers)")
@@ -245,22 +254,33 @@ def shape_info(kind: str, cfg: ModelConfig, cc: CheckConfig) -> dict:
                     description=f"{B} block rows against the cache ({L} keys) + token drift")
     if kind == "polestar_refresh_step":
         return dict(query_rows=B + R, keys=L, head_calls=2 if S else 1, head_rows=B + S,
-                    description=f"{B} block rows + {R} refresh rows ({L} keys), cluster drift, patches, "
+                    description=f"{B} block rows + {R:g} refresh rows ({L} keys), cluster drift, patches, "
                                 f"suffix logits")
+    if kind == "prefix_step":
+        G = cc.gen_length
+        return dict(query_rows=G, keys=L, head_calls=1, head_rows=B,
+                    description=f"{G} generation rows against the cached prefix ({L} keys)")
+    if kind == "polestar_windowed_start":
+        return dict(query_rows=B + R, keys=L, head_calls=1, head_rows=B,
+                    description=f"Polestar windowed block start: the {B + R}-row window ({L} keys) + k-means "
+                                "+ proxy attention")
     raise ValueError(kind)
 
 
-def bytes_model(kind: str, cfg: ModelConfig, cc: CheckConfig) -> dict:
+def bytes_model(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Optional[float] = None) -> dict:
     """Minimum HBM traffic of one step (bytes): ``per_layer`` (weights, K/V, hidden rows, Polestar state of
     one layer), ``once`` (LM head weights per head call, embedding rows, logits, last-layer drift rows), and
     ``total = layers * per_layer + once``. A model, not a measurement: XLA's own (pre-fusion) count is the
-    row's ``xla_bytes_accessed``."""
+    row's ``xla_bytes_accessed``. ``refresh_rows``: see :func:`shape_info` (the stored hidden states read and
+    written are those rows)."""
     g = geometry_numbers(cfg, cc)
     L, B, R, K = g["L"], g["B"], g["R"], g["K"]
+    if refresh_rows is not None and kind == "polestar_refresh_step":
+        R = refresh_rows
     b, it, f32 = cc.batch, 2, 4  # bf16 weights/activations, float32 probabilities and logits
     D, F, H, KV, hd, V = (cfg.d_model, cfg.mlp_hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                           cfg.embedding_size)
-    si = shape_info(kind, cfg, cc)
+    si = shape_info(kind, cfg, cc, refresh_rows)
     q = si["query_rows"]
     w_layer = (D * H * hd + 2 * D * KV * hd + H * hd * D + 3 * D * F + 2 * D) * it
     kv_rows = lambda n: 2 * b * KV * n * hd * it  # K and V of n rows
@@ -274,7 +294,7 @@ def bytes_model(kind: str, cfg: ModelConfig, cc: CheckConfig) -> dict:
             per["kv"] = 2 * kv_rows(L)  # written, then read by attention
         else:
             per["kv"] = kv_rows(L) + kv_rows(q)  # whole cache read + the rows' K/V written
-    if kind == "polestar_start":
+    if kind in ("polestar_start", "polestar_windowed_start"):
         per["polestar"] = b * R * D * it + b * H * K * L * f32  # stored window rows + proxy attention written
         once["drift"] = b * H * B * L * f32  # last layer's block probabilities written
     if kind == "polestar_step":
@@ -288,14 +308,28 @@ def bytes_model(kind: str, cfg: ModelConfig, cc: CheckConfig) -> dict:
             "total": n * per_total + once_total}
 
 
-def analytic(kind: str, cfg: ModelConfig, cc: CheckConfig) -> tuple[float, float]:
-    """(total, LM-head part) matmul FLOPs of one step: projections, MLP, attention, LM head (batch included)."""
-    si = shape_info(kind, cfg, cc)
+def analytic(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Optional[float] = None
+             ) -> tuple[float, float]:
+    """(total, LM-head part) matmul FLOPs of one step: projections, MLP, attention, LM head (batch included).
+    ``refresh_rows``: see :func:`shape_info`."""
+    si = shape_info(kind, cfg, cc, refresh_rows)
     head = 2.0 * cc.batch * si["head_rows"] * cfg.d_model * cfg.embedding_size
     if kind == "lm_head":
         return head, head
     one = BD.analytic_flops(cfg, si["query_rows"], si["keys"], si["head_rows"])  # batch 1
     return cc.batch * one, head
+
+
+def roofline(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Optional[float] = None) -> dict:
+    """The roofline cost of one step from the models alone (no device): ``bytes`` (:func:`bytes_model`),
+    ``flops`` (:func:`analytic`, the matmul formula) and ``seconds = max(bytes / peak HBM bandwidth, flops /
+    peak FLOP rate)`` at ``cc``'s peaks, with ``bound`` saying which term wins. A model, not a measurement
+    (:mod:`bench.run` projects tokens/s from it)."""
+    bm = bytes_model(kind, cfg, cc, refresh_rows)["total"]
+    flops = analytic(kind, cfg, cc, refresh_rows)[0]
+    t_mem, t_flop = bm / (cc.peak_hbm_gbs * 1e9), flops / (cc.peak_tflops * 1e12)
+    return {"bytes": bm, "flops": flops, "seconds": max(t_mem, t_flop), "mem_seconds": t_mem,
+            "flop_seconds": t_flop, "bound": "memory" if t_mem >= t_flop else "compute"}
 
 
 def _cost_value(obj, key: str) -> Optional[float]:
@@ -366,8 +400,7 @@ def time_kind(kind: str, kernels: str, params, state, cfg: ModelConfig, cc: Chec
     flops_xla = bytes_xla = None
     if cc.flops:
         try:
-            with BD._unrolled_layer_scan():
-                lowered = jax.jit(lambda p, st, c: fn(p, st, c)).lower(params, state, cs)
+            lowered = jax.jit(step_fn(kind, cfg, cc, kernels, unroll=True)).lower(params, state, cs)
             flops_xla = BD.cost_flops(lowered)
             bytes_xla = _cost_value(lowered, "bytes accessed")
         except Exception as e:  # noqa: BLE001 - FLOPs are a nice-to-have

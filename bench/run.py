@@ -1,39 +1,57 @@
-"""The accuracy-throughput benchmark (issue #6): every decoder on the same held-out task instances.
+"""The accuracy-throughput benchmark (issues #6, #12): every decoder on the same held-out task instances.
 
 Runs, in ONE process and on the same instances of :mod:`bench.tasks` (held-out evaluation seeds), each
-decoder of :data:`DECODERS` on a trained model (default: the bundled ``tiny_tasks`` model) and reports, per
-decoder and per task:
+decoder of :data:`DECODERS` -- the baselines, Polestar and its ablations -- and a threshold sweep of the two
+decoders the frontier compares (:data:`SWEPT`: the checked dual cache and Polestar, thresholds
+:data:`SWEEP_THRESHOLDS`; the sweep rows are named ``<decoder>@<threshold>``, the unsuffixed rows are the 0.9
+defaults) on a trained model (default: the bundled ``tiny_tasks`` model), and reports, per decoder and task:
 
 * ``accuracy``: exact match (the task's scorer on the answer cut at the first end-of-text token);
 * ``tpf``: tokens per forward as the paper counts them: non-EOS generated tokens / forwards;
 * ``tps``: non-EOS generated tokens per second of the decode loop (compile excluded; instances decode in
-  batches of ``--batch``, the same for every decoder, so rows of one run compare);
-* ``nfe``: forwards per instance (mean);
-* ``gflops_per_token``: FLOPs per generated position, from XLA's cost analysis of one forward of each kind
-  (full pass, prefix/dual-cache step, Polestar step with and without refresh; see
-  :func:`bench.bench_decoders.bench_forwards`) weighted by how often each decoder ran each kind;
+  batches of ``--batch``, the same for every decoder, so rows of one run compare); the unsuffixed rows
+  report the median of ``--repeats`` decodes of the whole job (default 3), the sweep points one;
+* ``nfe``: forwards per instance (mean), and the mix of forward kinds behind it (``forwards_full``,
+  ``forwards_windowed``, ``forwards_step``, ``forwards_refresh``; ``refresh_rows_computed``: window rows a
+  refresh step computes per layer at batch 1);
+* ``tps_h200_projection``: a MODEL, not a measurement: tokens/s of one H200 decoding at LLaDA-8B shapes
+  (bf16, batch 1, this run's layout: prompt slot + gen length, block length) the forwards this decoder ran
+  here, each at its roofline cost ``max(bytes / 4.8 TB/s, FLOPs / 989 TFLOP/s)`` from the byte and FLOP
+  models of :mod:`bench.gpu_check` (:func:`h200_projection`);
+* ``gflops_per_token``: FLOPs per generated position of this model, from XLA's cost analysis of one forward
+  of each kind (see :func:`bench.bench_decoders.bench_forwards`) weighted by how often each decoder ran each
+  kind;
 * ``refresh_rate`` (Polestar): refresh steps / decode steps (forwards after the block-start passes), and
   early / suffix commits per instance.
+
+Instance i of the job (the i-th of the task-major item list) decodes as row i of the job whatever the batch:
+its random draws come from ``(seed, i)`` (``generate(..., rows=...)``), so the outputs do not depend on
+``--batch``.
 
 Usage::
 
     python -m bench.run [--quick] [--out DIR] [--model DIR] [--n N] [--batch B] [--decoders a,b,...]
+                        [--sweep 0.7,0.8,0.9,0.95 | --no-sweep] [--repeats R]
 
 Writes ``DIR/results.json`` (a list of rows with ``decoder``, ``task`` -- ``"all"`` for the mean over tasks
---, ``accuracy``, ``tpf``, ``tps``, ``nfe`` and more), ``DIR/results.md`` (tables) and ``DIR/frontier.png``
-(accuracy against tokens/s, one point per decoder; needs matplotlib from the ``bench`` extra, skipped with a
-note otherwise). ``--quick`` (8 instances per task, FLOPs from the matmul formula) is a smoke run of a
-few minutes; the full run uses 200 instances per task. Timings are wall-clock on whatever machine runs this:
-compare rows of one run.
+--, ``accuracy``, ``tpf``, ``tps``, ``nfe`` and more), ``DIR/run.json`` (configuration, command, machine and
+its load average before and after), ``DIR/results.md`` (tables, the frontier read-off) and
+``DIR/frontier.png`` (accuracy against tokens/s, measured and projected: one curve per swept decoder, a
+point for every other; needs matplotlib from the ``bench`` extra, skipped with a note otherwise).
+``--quick`` (8 instances per task, FLOPs from the matmul formula, one repeat) is a smoke run of a few
+minutes; the full run uses 100 instances per task. Timings are wall-clock on whatever machine runs this:
+compare rows of one run, and run it with nothing else running (run.json records the load).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -42,21 +60,26 @@ import numpy as np
 
 from bench import tasks as T
 from bench.bench_decoders import _fmt, forwards_gflops
-from polestar_jax.checkpoint import generation_defaults, load_model
+from bench.common import RESULTS_DIR, decode_batches, load_bench_model, prompt_slot
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
-from polestar_jax.engine import generate
 from polestar_jax.errors import PolestarError
-from polestar_jax.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer
+from polestar_jax.tokenizer import Tokenizer
 
-__all__ = ["Decoder", "DECODERS", "RunConfig", "decode_config", "run", "markdown", "main"]
+__all__ = ["Decoder", "DECODERS", "SWEPT", "SWEEP_THRESHOLDS", "RunConfig", "decode_config", "sweep_decoder",
+           "resolve_decoders", "polestar_early_threshold", "h200_projection", "frontier_readoff", "run",
+           "markdown", "main"]
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(_REPO_ROOT, "bench", "results", "run")
+DEFAULT_OUT = os.path.join(RESULTS_DIR, "run")
+DEFAULT_THRESHOLD = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
 class Decoder:
-    """One benchmarked decoder: a name and the :class:`DecodeConfig` fields that define it."""
+    """One benchmarked decoder: a name and the :class:`DecodeConfig` fields that define it.
+
+    ``curve``: the swept decoder this row lies on (its own name for a swept decoder's 0.9 default, the base
+    name for its ``@threshold`` rows; None off the sweep); ``sweep_point``: a ``@threshold`` row (decoded
+    once, not ``--repeats`` times)."""
 
     name: str
     decoder: str
@@ -64,19 +87,95 @@ class Decoder:
     threshold: Optional[float]
     polestar: Optional[dict] = None  # PolestarConfig overrides
     doc: str = ""
+    step_after_full_pass: bool = True  # Fast-dLLM's reference loop (False: the checked loop)
+    curve: Optional[str] = None
+    sweep_point: bool = False
 
+
+_REFRESH_ONLY = {"early_threshold": None, "suffix_precommit": False}
+_COMMIT_ONLY = {"refresh": False, "suffix_precommit": False}
 
 #: Every decoder of the benchmark, in report order.
 DECODERS: tuple[Decoder, ...] = (
     Decoder("llada", "llada", "none", None, doc="LLaDA's sampler, one token per forward (steps = gen length)"),
     Decoder("fastdllm", "fastdllm", "none", 0.9, doc="Fast-dLLM threshold 0.9, no cache"),
     Decoder("fastdllm-prefix", "fastdllm", "prefix", 0.9, doc="Fast-dLLM threshold 0.9, prefix cache"),
-    Decoder("fastdllm-dual", "fastdllm", "dual", 0.9, doc="Fast-dLLM threshold 0.9, dual cache"),
-    Decoder("polestar", "polestar", "dual", 0.9, doc="Polestar-Cache + Polestar-Commit (default knobs)"),
+    Decoder("fastdllm-dual", "fastdllm", "dual", 0.9,
+            doc="Fast-dLLM threshold 0.9, dual cache, the reference loop (one more step after a full pass "
+                "that filled the block): what the paper compares against"),
+    Decoder("fastdllm-dual-checked", "fastdllm", "dual", 0.9, step_after_full_pass=False,
+            curve="fastdllm-dual-checked",
+            doc="Fast-dLLM threshold 0.9, dual cache, the checked loop (no step once the block is full, as "
+                "Polestar's loop): the baseline Polestar must beat"),
+    Decoder("polestar-refresh-only", "polestar", "dual", 0.9, _REFRESH_ONLY,
+            doc="Polestar-Cache only: drift-guided refresh, no early commit, no suffix pre-commit"),
+    Decoder("polestar-commit-only", "polestar", "dual", 0.9, _COMMIT_ONLY,
+            doc="Polestar-Commit's early commit only: refresh off (the window is recomputed at block starts "
+                "only), so no suffix pre-commit (it commits refreshed suffix rows); the early-commit drift "
+                "comes from the block rows' own attention, which needs no refresh"),
+    Decoder("polestar", "polestar", "dual", 0.9, curve="polestar",
+            doc="Polestar-Cache + Polestar-Commit (default knobs)"),
     Decoder("polestar-int8", "polestar", "dual", 0.9, {"offload_hidden": "int8"},
             doc="Polestar with the refresh hidden states stored int8 (host memory where supported)"),
 )
 DECODER_NAMES = tuple(d.name for d in DECODERS)
+#: The decoders whose threshold is swept for the frontier.
+SWEPT = ("fastdllm-dual-checked", "polestar")
+#: The thresholds of the sweep (0.9 is the unsuffixed default row).
+SWEEP_THRESHOLDS = (0.7, 0.8, 0.9, 0.95)
+
+
+def polestar_early_threshold(threshold: float) -> Optional[float]:
+    """Polestar's early-commit threshold at commit threshold ``threshold`` in the sweep: the default (0.7)
+    where it lies below the threshold, else ``threshold - 0.2`` (the default gap; at 0.7: 0.5), so
+    Polestar-Commit stays on at every point of the curve (an early threshold must lie below the threshold)."""
+    default = PolestarConfig().early_threshold
+    if default is None or default < threshold:
+        return default
+    low = round(threshold - (DEFAULT_THRESHOLD - default), 6)
+    return low if low >= 0 else None
+
+
+def sweep_decoder(base: str, threshold: float) -> Decoder:
+    """Decoder ``base`` (one of :data:`SWEPT`) at commit threshold ``threshold``, named
+    ``f"{base}@{threshold:g}"``; the 0.9 default is the unsuffixed decoder itself."""
+    d = next((x for x in DECODERS if x.name == base), None)
+    if d is None or base not in SWEPT:
+        raise PolestarError(f"decoder {base!r} has no threshold sweep (swept: {', '.join(SWEPT)})")
+    threshold = float(threshold)
+    if not 0.0 < threshold <= 1.0:
+        raise PolestarError(f"sweep threshold must be in (0, 1], got {threshold:g}")
+    if threshold == d.threshold:
+        return d
+    pol = d.polestar
+    if d.decoder == "polestar":
+        pol = dict(d.polestar or {}, early_threshold=polestar_early_threshold(threshold))
+    return dataclasses.replace(d, name=f"{base}@{threshold:g}", threshold=threshold, polestar=pol, curve=base,
+                               sweep_point=True, doc=f"{base} at threshold {threshold:g}")
+
+
+def resolve_decoders(names: Sequence[str], sweep: Sequence[float]) -> list[Decoder]:
+    """The decoders of a run in report order: the named ones of :data:`DECODERS`, then for every named
+    decoder of :data:`SWEPT` its ``sweep`` thresholds (ascending), then explicit ``name@threshold`` names."""
+    plain = [n for n in names if "@" not in n]
+    unknown = sorted(set(plain) - set(DECODER_NAMES))
+    if unknown:
+        raise PolestarError(f"unknown decoder(s) {', '.join(unknown)} (choose from {', '.join(DECODER_NAMES)}, "
+                            f"or <{'|'.join(SWEPT)}>@<threshold>)")
+    out = [d for d in DECODERS if d.name in plain]
+    extra = [(b, t) for b in SWEPT if b in plain for t in sorted(set(float(x) for x in sweep))]
+    for n in names:
+        if "@" in n:
+            base, _, t = n.partition("@")
+            try:
+                extra.append((base, float(t)))
+            except ValueError:
+                raise PolestarError(f"bad decoder name {n!r}: expected <decoder>@<threshold>") from None
+    for base, t in extra:
+        d = sweep_decoder(base, t)
+        if all(x.name != d.name for x in out):
+            out.append(d)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +183,21 @@ class RunConfig:
     """Everything that defines one benchmark run."""
 
     model: str = ""  # model folder ("" = bundled default)
-    n: int = 200  # instances per task
+    n: int = 100  # instances per task
     tasks: tuple[str, ...] = T.TASK_NAMES
     decoders: tuple[str, ...] = DECODER_NAMES
+    sweep: tuple[float, ...] = SWEEP_THRESHOLDS  # thresholds swept for SWEPT decoders (empty: none)
+    repeats: int = 3  # timed decodes of the whole job for the unsuffixed rows (tokens/s: the median)
     batch: int = 72
     gen_length: Optional[int] = None  # default: the model folder's generation defaults
     block_length: Optional[int] = None
     seed: int = 0
     flops: bool = True  # FLOPs from XLA's cost analysis (compiles each forward kind); False: matmul formula
+    projection: bool = True  # the H200 / LLaDA-8B roofline projection column
+    gpu_check: str = ""  # a bench.gpu_check JSON: its measured step times go next to the projected ones
 
 
-QUICK = RunConfig(n=8, flops=False)
+QUICK = RunConfig(n=8, flops=False, repeats=1)
 
 
 def _log(msg: str) -> None:
@@ -130,170 +233,267 @@ def decode_config(d: Decoder, gen_length: int, block_length: int) -> DecodeConfi
     """The :class:`DecodeConfig` of decoder ``d`` (steps = gen length: llada commits one token per forward)."""
     pc = PolestarConfig(**(d.polestar or {}))
     return DecodeConfig(decoder=d.decoder, cache=d.cache, gen_length=gen_length, block_length=block_length,
-                        steps=gen_length, threshold=d.threshold, polestar=pc)
+                        steps=gen_length, threshold=d.threshold, polestar=pc,
+                        step_after_full_pass=d.step_after_full_pass)
 
 
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+def _refresh_widths(dcfg: DecodeConfig) -> np.ndarray:
+    """The nonzero widths a refresh's stage 3 (attention + MLP of the block and the selected window rows)
+    is compiled at."""
+    from polestar_jax import compaction as RF
+
+    pc = dcfg.polestar
+    return np.asarray(RF.widths(pc, pc.window_rows(dcfg.block_length))[1:])
 
 
 def run_decoder(params, mcfg: ModelConfig, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, str]],
                 gen_length: int, block_length: int, batch: int, slot: int, seed: int,
-                bar: Optional[_Progress] = None) -> dict[str, Any]:
+                bar: Optional[Any] = None) -> dict[str, Any]:
     """Decodes every (task, prompt, answer) item with decoder ``d`` in batches of ``batch`` rows (the last
-    batch is padded with copies of its first prompt, so one executable serves the run); returns per-item
-    outputs and counters plus the totals."""
+    batch padded, so one executable serves the run; item i is row i of the job: see
+    :func:`bench.common.decode_batches`); returns per-item outputs and counters, the tokens and the totals.
+
+    Per item, the forward mix: ``full`` (full passes: every forward without a cache; one per block with
+    Fast-dLLM's caches; Polestar's full block starts), ``windowed`` (Polestar's windowed block starts),
+    ``step`` (cached forwards without refresh) and ``refresh_rows`` (one entry per Polestar refresh step: the
+    window rows it computes per layer at batch 1, mean over layers -- the smallest compiled width that holds
+    the row's own selection)."""
     dcfg = decode_config(d, gen_length, block_length)
-    out = {"output": [], "correct": [], "nfe": [], "non_eos": [], "refresh": [], "steps": [], "early": [],
-           "suffix": []}
+    n_blocks = gen_length // block_length
+    keys = ("output", "correct", "nfe", "non_eos", "refresh", "steps", "early", "suffix", "full", "windowed",
+            "step", "refresh_rows")
+    out: dict[str, Any] = {k: [] for k in keys}
+    tokens = []
     seconds = compile_s = 0.0
-    for chunk in _chunks(items, batch):
-        prompts = [tok.chat_prompt_ids(p) for _, p, _ in chunk]
-        prompts += [prompts[0]] * (batch - len(prompts))
-        res = generate(params, mcfg, prompts, dcfg, seed=seed, prompt_slot=slot)
+    prompts = [tok.chat_prompt_ids(p) for _, p, _ in items]
+    widths = _refresh_widths(dcfg) if d.decoder == "polestar" else None
+    for start, n_real, res in decode_batches(params, mcfg, prompts, dcfg, batch, slot, seed):
         seconds += res.seconds
         compile_s += res.compile_seconds
-        for r, (task, prompt, _) in enumerate(chunk):
+        tokens.append(res.tokens[:n_real])
+        for r in range(n_real):
+            task, prompt, _ = items[start + r]
             toks = res.tokens[r]
             text = T.decode_answer(tok, toks)
+            nfe = int(res.nfe[r])
             out["output"].append(text)
             out["correct"].append(T.score(task, prompt, text))
-            out["nfe"].append(int(res.nfe[r]))
+            out["nfe"].append(nfe)
             out["non_eos"].append(int(np.sum((toks != mcfg.eos_token_id) & (toks != mcfg.pad_token_id))))
             if res.polestar is not None:
-                ref = int(res.polestar["cluster_steps"][r].sum())
-                starts = int(res.polestar["processed"][r].sum())
+                ps = res.polestar
+                ref = int(ps["refresh_steps"][r].sum())
+                starts = int(ps["processed"][r].sum())
+                full, windowed = int(ps["full_pass"][r].sum()), int(ps["windowed"][r].sum())
+                rows = []
+                for st in res.steps:  # per block: cluster [S, b], refreshed_rows [S, b, N]
+                    cl, rr = np.asarray(st.cluster), np.asarray(st.refreshed_rows)
+                    for s in np.nonzero(cl[:, r])[0]:
+                        rows.append(float(widths[np.searchsorted(widths, rr[s, r])].mean()))
                 out["refresh"].append(ref)
-                out["steps"].append(int(res.nfe[r]) - starts)
-                out["early"].append(int(res.polestar["early"][r]))
-                out["suffix"].append(int(res.polestar["suffix"][r]))
+                out["steps"].append(nfe - starts)
+                out["early"].append(int(ps["early"][r]))
+                out["suffix"].append(int(ps["suffix"][r]))
+                out["full"].append(full)
+                out["windowed"].append(windowed)
+                out["step"].append(nfe - full - windowed - ref)
+                out["refresh_rows"].append(rows)
+            else:
+                full = nfe if d.cache == "none" else n_blocks  # cached decoders start every block fully
+                out["full"].append(full)
+                out["windowed"].append(0)
+                out["step"].append(nfe - full)
+                out["refresh_rows"].append([])
         if bar is not None:
-            bar.update(len(chunk))
+            bar.update(n_real)
+    out["tokens"] = np.concatenate(tokens)
     out["seconds"] = seconds
     out["compile_seconds"] = compile_s
     return out
 
 
-def _forward_flops(params, mcfg: ModelConfig, slot: int, gen_length: int, block_length: int,
-                   xla: bool) -> dict[str, float]:
-    """GFLOP of one forward of each kind (batch 1) for this model and layout: from XLA's cost analysis of
-    the compiled forward with the layer scan unrolled (``xla``; see
-    :func:`bench.bench_decoders.bench_forwards`), else from the matmul formula (no compile)."""
-    from bench import bench_decoders as BD
+# ------------------------------------------------------------------------------------ the H200 projection
 
-    if not xla:
-        length = slot + gen_length
-        r_rows = (PolestarConfig().prefix_blocks + PolestarConfig().suffix_blocks) * block_length
-        q = {"full": length, "prefix_step": gen_length, "dual_step": block_length,
-             "polestar_step": block_length, "polestar_refresh_step": block_length + r_rows}
-        return {k: BD.analytic_flops(mcfg, rows, length, block_length) / 1e9 for k, rows in q.items()}
-    bc = BD.BenchConfig(name="tasks", n_layers=mcfg.n_layers, d_model=mcfg.d_model, n_heads=mcfg.n_heads,
-                        mlp_hidden=mcfg.mlp_hidden_size, vocab=mcfg.embedding_size, prompt_length=slot,
-                        gen_length=gen_length, block_length=block_length, steps=gen_length, forward_warmup=0,
-                        forward_reps=1, flops=True)
-    prompt = [mcfg.eos_token_id] * slot
-    return BD.gflops_by_kind(BD.bench_forwards(params, mcfg, prompt, bc))
+
+@functools.lru_cache(maxsize=None)
+def _projection_model(slot: int, gen_length: int, block_length: int):
+    from bench import gpu_check as G
+
+    base = ModelConfig.from_json(G.LLADA_8B_CONFIG)
+    cc = G.CheckConfig(layers=base.n_layers, prompt_length=slot, gen_length=gen_length, block_length=block_length,
+                       batch=1)
+    cfg, _ = G.model_config(cc)
+    return G, cfg, cc
+
+
+@functools.lru_cache(maxsize=4096)
+def _roofline(slot: int, gen_length: int, block_length: int, kind: str, rows: Optional[float]) -> dict:
+    G, cfg, cc = _projection_model(slot, gen_length, block_length)
+    return G.roofline(kind, cfg, cc, rows)
+
+
+def h200_projection(decoder: str, cache: str, mix: dict, slot: int, gen_length: int, block_length: int
+                    ) -> dict[str, Any]:
+    """Projected seconds of one H200 running a forward mix at LLaDA-8B shapes (bf16, batch 1, prompt slot
+    ``slot``, gen / block length as measured). A MODEL: each forward costs its roofline time
+    (:func:`bench.gpu_check.roofline`: ``max(bytes_model / 4.8 TB/s, matmul FLOPs / 989 TFLOP/s)``), nothing
+    for dispatch, sampling or kernels below the roofline.
+
+    ``mix``: ``full``, ``windowed``, ``step`` (counts) and ``refresh_rows`` (one entry per refresh step: window
+    rows computed per layer). Kinds: Fast-dLLM / LLaDA full passes ``full``, their cached steps ``dual_step`` /
+    ``prefix_step``; Polestar's full / windowed block starts ``polestar_start`` / ``polestar_windowed_start``,
+    its steps ``polestar_step`` and ``polestar_refresh_step`` at the rows each computed."""
+    cost = lambda kind, rows=None: _roofline(slot, gen_length, block_length, kind, rows)["seconds"]
+    if decoder == "polestar":
+        kinds = {"full": "polestar_start", "windowed": "polestar_windowed_start", "step": "polestar_step"}
+    else:
+        kinds = {"full": "full", "windowed": "full", "step": f"{cache}_step" if cache != "none" else "full"}
+    by = {k: mix.get(k, 0) * cost(kind) for k, kind in kinds.items()}
+    by["refresh"] = sum(cost("polestar_refresh_step", w) for w in mix.get("refresh_rows", ()))
+    return {"seconds": sum(by.values()), "seconds_by_kind": by}
+
+
+# --------------------------------------------------------------------------------------------------- rows
 
 
 def _row(d: Decoder, task: str, idx: Sequence[int], res: dict, seconds: float, flops_by: Optional[dict],
-         n_blocks: int, gen_length: int) -> dict[str, Any]:
+         n_blocks: int, gen_length: int, proj_s: Optional[Sequence[float]]) -> dict[str, Any]:
     sel = lambda key: [res[key][i] for i in idx] if res[key] else []
+    n = len(idx)
     nfe, non_eos = sum(sel("nfe")), sum(sel("non_eos"))
     row = {
-        "decoder": d.name, "task": task, "n": len(idx),
+        "decoder": d.name, "task": task, "n": n,
         "accuracy": float(np.mean(sel("correct"))),
         "tpf": non_eos / max(1, nfe),
         "tps": non_eos / seconds if seconds > 0 else 0.0,
-        "nfe": nfe / len(idx),
-        "tpf_all_positions": gen_length * len(idx) / max(1, nfe),
+        "nfe": nfe / n,
+        "threshold": d.threshold, "curve": d.curve,
+        "tpf_all_positions": gen_length * n / max(1, nfe),
         "non_eos_tokens": non_eos,
+        "forwards_full": sum(sel("full")) / n,
+        "forwards_windowed": sum(sel("windowed")) / n,
+        "forwards_step": sum(sel("step")) / n,
     }
-    starts = len(idx) * n_blocks  # Fast-dLLM's cached decoders start every block with a full pass
+    rr = [w for ws in sel("refresh_rows") for w in ws]
+    row["forwards_refresh"] = len(rr) / n
+    starts = n * n_blocks  # Fast-dLLM's cached decoders start every block with a full pass
     if d.decoder == "polestar":
         ref, steps = sum(sel("refresh")), sum(sel("steps"))
         starts = nfe - steps  # blocks Polestar processed (a block filled ahead by suffix commits has none)
-        row.update(refresh_rate=ref / max(1, steps), refresh_steps=ref / len(idx),
-                   early_commits=sum(sel("early")) / len(idx), suffix_commits=sum(sel("suffix")) / len(idx))
+        row.update(early_threshold=PolestarConfig(**(d.polestar or {})).early_threshold,
+                   refresh_rate=ref / max(1, steps), refresh_steps=ref / n,
+                   refresh_rows_computed=float(np.mean(rr)) if rr else 0.0,
+                   early_commits=sum(sel("early")) / n, suffix_commits=sum(sel("suffix")) / n)
     else:
         ref = 0
     if flops_by is not None:
         gflops = forwards_gflops(d.decoder, d.cache, nfe, starts, ref, flops_by)
-        row["gflops_per_token"] = gflops / (len(idx) * gen_length)  # per generated position
+        row["gflops_per_token"] = gflops / (n * gen_length)  # per generated position
+    if proj_s is not None:
+        sec = sum(proj_s[i] for i in idx)
+        row["tps_h200_projection"] = non_eos / sec if sec > 0 else 0.0
+        row["h200_projection_ms_per_instance"] = 1e3 * sec / n
     return row
 
 
+def _plan(decoders: list[Decoder], repeats: int) -> list[tuple[Decoder, int]]:
+    """(decoder, repeat) in run order: every decoder once, then the repeats of the unsuffixed ones, round
+    after round (so a slow patch of the machine does not land on one decoder's repeats)."""
+    plan = [(d, 0) for d in decoders]
+    for rep in range(1, max(1, repeats)):
+        plan += [(d, rep) for d in decoders if not d.sweep_point]
+    return plan
+
+
+def _loadavg() -> Optional[list[float]]:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
 def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", progress: bool = True) -> dict:
-    """Runs the benchmark; writes results.json / results.md / frontier.png into ``out_dir`` when given."""
+    """Runs the benchmark; writes results.json / run.json / results.md / frontier.png into ``out_dir`` when
+    given."""
     t_start = time.perf_counter()
-    model_dir = rc.model or bundled_model_dir()
-    mcfg, params = load_model(model_dir)
-    tok = load_tokenizer(model_dir)
-    gd = generation_defaults(model_dir)
-    gen_length = rc.gen_length if rc.gen_length is not None else gd.get("gen_length", 32)
-    block_length = rc.block_length if rc.block_length is not None else gd.get("block_length", 8)
-    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
-        raise PolestarError(f"gen length {gen_length} must be a positive multiple of block length {block_length}")
-    unknown = sorted(set(rc.decoders) - set(DECODER_NAMES))
-    if unknown:
-        raise PolestarError(f"unknown decoder(s) {', '.join(unknown)} (choose from {', '.join(DECODER_NAMES)})")
+    load_before = _loadavg()
     bad_tasks = sorted(set(rc.tasks) - set(T.TASK_NAMES))
     if bad_tasks:
         raise PolestarError(f"unknown task(s) {', '.join(bad_tasks)} (choose from {', '.join(T.TASK_NAMES)})")
-    decoders = [d for d in DECODERS if d.name in rc.decoders]
+    decoders = resolve_decoders(rc.decoders, rc.sweep)
+    bm = load_bench_model(rc.model, rc.gen_length, rc.block_length)
+    mcfg, params, tok = bm.mcfg, bm.params, bm.tok
+    gen_length, block_length = bm.gen_length, bm.block_length
+    for d in decoders:  # every configuration is valid before anything runs
+        decode_config(d, gen_length, block_length)
     items = [(task, p, a) for task in rc.tasks for p, a in T.eval_instances(task, rc.n)]
-    longest = max(len(tok.chat_prompt_ids(p)) for _, p, _ in items)
-    slot = -(-longest // 16) * 16
+    slot = prompt_slot([tok.chat_prompt_ids(p) for _, p, _ in items])
     batch = min(rc.batch, len(items))
     n_blocks = gen_length // block_length
-    _log(f"[run] model {model_dir}: {mcfg.n_layers}L d{mcfg.d_model}; {len(rc.tasks)} tasks x {rc.n} instances; "
-         f"gen {gen_length} block {block_length}; batch {batch}; prompt slot {slot}")
+    gpu = gpu_check_table(rc.gpu_check, slot, gen_length, block_length) if rc.gpu_check else None
+    _log(f"[run] model {bm.model_dir}: {mcfg.n_layers}L d{mcfg.d_model}; {len(rc.tasks)} tasks x {rc.n} instances; "
+         f"gen {gen_length} block {block_length}; batch {batch}; prompt slot {slot}; {len(decoders)} decoders; "
+         f"load {load_before}")
     flops_by = None
     try:
         _log("[run] FLOPs per forward kind (" + ("XLA cost analysis" if rc.flops else "matmul formula") + ")")
         flops_by = _forward_flops(params, mcfg, slot, gen_length, block_length, rc.flops)
     except Exception as e:  # noqa: BLE001 - FLOPs are a nice-to-have
         _log(f"[run] no FLOP counts: {type(e).__name__}: {e}")
-    rows, per_item, timing = [], {}, {}
-    bar = _Progress(len(items) * len(decoders)) if progress else None
-    for d in decoders:
+    plan = _plan(decoders, rc.repeats)
+    bar = _Progress(len(items) * len(plan)) if progress else None
+    results: dict[str, dict] = {}
+    runs: dict[str, list[float]] = {d.name: [] for d in decoders}
+    compile_s: dict[str, float] = {d.name: 0.0 for d in decoders}
+    same: dict[str, bool] = {d.name: True for d in decoders}
+    for d, rep in plan:
         if bar is not None:
-            bar.update(0, d.name)
+            bar.update(0, d.name + (f" (repeat {rep + 1})" if rep else ""))
         res = run_decoder(params, mcfg, tok, d, items, gen_length, block_length, batch, slot, rc.seed, bar)
-        timing[d.name] = {"decode_seconds": res["seconds"], "compile_seconds": res["compile_seconds"]}
-        all_idx = list(range(len(items)))
-        # tokens/s is a property of the whole decode loop (tasks are mixed in a batch): every row of a
-        # decoder reports the decoder's overall tokens/s; accuracy / TPF / NFE are per task
-        overall = _row(d, "all", all_idx, res, res["seconds"], flops_by, n_blocks, gen_length)
-        for task in rc.tasks:
-            idx = [i for i, it in enumerate(items) if it[0] == task]
-            r = _row(d, task, idx, res, res["seconds"], flops_by, n_blocks, gen_length)
-            r["tps"] = overall["tps"]
-            rows.append(r)
-        overall["accuracy"] = float(np.mean([r["accuracy"] for r in rows if r["decoder"] == d.name]))
-        overall.update(timing[d.name])
-        rows.append(overall)
-        per_item[d.name] = res["output"]
+        runs[d.name].append(res["seconds"])
+        compile_s[d.name] += res["compile_seconds"]
+        if rep == 0:
+            results[d.name] = res
+        else:
+            same[d.name] &= bool(np.array_equal(res["tokens"], results[d.name]["tokens"]))
     if bar is not None:
         bar.close()
+    rows, per_item = [], {}
+    for d in decoders:
+        res = results[d.name]
+        seconds = statistics.median(runs[d.name])
+        proj = None
+        if rc.projection:
+            proj = [h200_projection(d.decoder, d.cache, {k: res[k][i] for k in ("full", "windowed", "step",
+                                                                                   "refresh_rows")},
+                                    slot, gen_length, block_length)["seconds"] for i in range(len(items))]
+        all_idx = list(range(len(items)))
+        # tokens/s is a property of the whole decode loop (tasks are mixed in a batch): every row of a
+        # decoder reports the decoder's overall tokens/s; accuracy / TPF / NFE / projection are per task
+        overall = _row(d, "all", all_idx, res, seconds, flops_by, n_blocks, gen_length, proj)
+        drows = []
+        for task in rc.tasks:
+            idx = [i for i, it in enumerate(items) if it[0] == task]
+            r = _row(d, task, idx, res, seconds, flops_by, n_blocks, gen_length, proj)
+            r["tps"] = overall["tps"]
+            drows.append(r)
+        overall["accuracy"] = float(np.mean([r["accuracy"] for r in drows]))
+        overall.update(decode_seconds=seconds, decode_seconds_runs=runs[d.name], repeats=len(runs[d.name]),
+                       tps_runs=[overall["non_eos_tokens"] / s if s > 0 else 0.0 for s in runs[d.name]],
+                       repeat_outputs_identical=same[d.name], compile_seconds=compile_s[d.name])
+        rows += drows + [overall]
+        per_item[d.name] = res["output"]
+    load_after = _loadavg()
     result = {
         "benchmark": "bench.run",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
-        "model": model_dir,
+        "model": bm.model_dir,
         "config": dict(dataclasses.asdict(rc), gen_length=gen_length, block_length=block_length, batch=batch,
-                       prompt_slot=slot),
+                       prompt_slot=slot, decoders_run=[d.name for d in decoders]),
         "decoders": {d.name: dict(dataclasses.asdict(d)) for d in decoders},
         "machine": _machine(),
-        "notes": [
-            "accuracy: exact match on held-out instances (bench.tasks eval seeds); 'all' = mean over tasks.",
-            "tpf: non-EOS generated tokens / forwards (the paper's TPF); tpf_all_positions counts every "
-            "generated position.",
-            "tps: non-EOS generated tokens / decode-loop seconds of the decoder over all tasks (batched, "
-            "compile excluded); the same value on every task row of a decoder.",
-            "gflops_per_token: FLOPs of the forwards run / generated positions, per forward kind from "
-            + ("XLA cost analysis of one compiled forward" if rc.flops else "the matmul formula")
-            + " (windowed passes counted as full passes).",
-        ],
+        "load_before": load_before,
+        "load_after": load_after,
+        "notes": _notes(rc),
+        "gpu_check": gpu,
         "rows": rows,
         "total_seconds": time.perf_counter() - t_start,
     }
@@ -311,45 +511,249 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
     return result
 
 
+def gpu_check_table(path: str, slot: int, gen_length: int, block_length: int) -> dict:
+    """Measured step times of a :mod:`bench.gpu_check` JSON (``est_model_depth_ms``: the LM head + model
+    layers x the measured per-layer time) next to the roofline projection of the same kind at the check's
+    own layout, and whether that layout is this run's (only then do the times price this run's forwards)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        c = data["config"]
+        layout = (int(c["prompt_length"]), int(c["gen_length"]), int(c["block_length"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PolestarError(f"--gpu-check {path}: not a bench.gpu_check JSON ({type(e).__name__}: {e})") from None
+    kinds = []
+    for r in data.get("results", []):
+        if r.get("status") != "ok" or r.get("est_model_depth_ms") is None:
+            continue
+        proj = _roofline(layout[0], layout[1], layout[2], r["kind"], None)
+        kinds.append({"kind": r["kind"], "kernels": r["kernels"], "measured_ms": r["est_model_depth_ms"],
+                      "projected_ms": 1e3 * proj["seconds"], "bound": proj["bound"],
+                      "measured_over_projected": r["est_model_depth_ms"] / (1e3 * proj["seconds"])})
+    return {"path": path, "device_kind": data.get("device_kind"), "is_gpu": data.get("is_gpu"),
+            "date": data.get("date"), "layout": list(layout),
+            "matches_run_layout": layout == (slot, gen_length, block_length), "kinds": kinds}
+
+
+def _notes(rc: RunConfig) -> list[str]:
+    return [
+        "accuracy: exact match on held-out instances (bench.tasks eval seeds); 'all' = mean over tasks.",
+        "tpf: non-EOS generated tokens / forwards (the paper's TPF); tpf_all_positions counts every generated "
+        "position.",
+        "tps: non-EOS generated tokens / decode-loop seconds of the decoder over all tasks (batched, compile "
+        "excluded); the same value on every task row of a decoder. Unsuffixed rows: over the median time of "
+        "`repeats` decodes of the whole job (= the median tokens/s for an odd count; tps_runs, "
+        "decode_seconds_runs; repeat_outputs_identical checks the tokens); sweep rows "
+        "(<decoder>@<threshold>): one decode.",
+        "instance i of the job decodes as row i (its random draws come from (seed, i)), whatever the batch.",
+        "fastdllm-dual: Fast-dLLM's reference loop (one more step after a full pass that filled the block); "
+        "fastdllm-dual-checked: the checked loop (as Polestar's).",
+        "polestar-refresh-only: early_threshold=None, suffix_precommit=False; polestar-commit-only: "
+        "refresh=False, suffix_precommit=False (early commit on: its token drift needs no refresh).",
+        "sweep: thresholds " + ", ".join(f"{t:g}" for t in rc.sweep) + " for " + ", ".join(SWEPT)
+        + "; Polestar's early threshold stays 0.7 where it lies below the threshold, else threshold - 0.2 "
+          "(0.5 at 0.7).",
+        "forwards_*: forwards per instance by kind (full passes, Polestar windowed starts, cached steps "
+        "without refresh, refresh steps); refresh_rows_computed: window rows a refresh step computes per "
+        "layer at batch 1 (smallest compiled width holding the row's selection; mean over layers and steps).",
+        "tps_h200_projection: a MODEL, not a measurement: non-EOS tokens / the projected seconds of one H200 "
+        "(bf16, batch 1, LLaDA-8B shapes from tests/data/llada8b_config.json, this run's layout) running each "
+        "instance's forwards at max(bytes / 4.8 TB/s, FLOPs / 989 TFLOP/s) per forward (bench.gpu_check "
+        "bytes_model + matmul-formula FLOPs); per task.",
+        "gflops_per_token: FLOPs of the forwards run / generated positions, per forward kind from "
+        + ("XLA cost analysis of one compiled forward" if rc.flops else "the matmul formula")
+        + " (windowed passes counted as full passes).",
+    ]
+
+
+def _forward_flops(params, mcfg: ModelConfig, slot: int, gen_length: int, block_length: int,
+                   xla: bool) -> dict[str, float]:
+    """GFLOP of one forward of each kind (batch 1) for this model and layout: from XLA's cost analysis of
+    the compiled forward with the layer scan unrolled (``xla``; see
+    :func:`bench.bench_decoders.bench_forwards`), else from the matmul formula (no compile)."""
+    from bench import bench_decoders as BD
+
+    if not xla:
+        length = slot + gen_length
+        r_rows = PolestarConfig().window_rows(block_length)
+        q = {"full": length, "prefix_step": gen_length, "dual_step": block_length,
+             "polestar_step": block_length, "polestar_refresh_step": block_length + r_rows}
+        return {k: BD.analytic_flops(mcfg, rows, length, block_length) / 1e9 for k, rows in q.items()}
+    bc = BD.BenchConfig(name="tasks", n_layers=mcfg.n_layers, d_model=mcfg.d_model, n_heads=mcfg.n_heads,
+                        mlp_hidden=mcfg.mlp_hidden_size, vocab=mcfg.embedding_size, prompt_length=slot,
+                        gen_length=gen_length, block_length=block_length, steps=gen_length, forward_warmup=0,
+                        forward_reps=1, flops=True)
+    prompt = [mcfg.eos_token_id] * slot
+    return BD.gflops_by_kind(BD.bench_forwards(params, mcfg, prompt, bc))
+
+
 def _machine() -> dict:
     from bench.bench_decoders import machine_info
 
-    return dict(machine_info(), loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
+    return dict(machine_info(), loadavg=_loadavg())
 
+
+# ------------------------------------------------------------------------------------------ the frontier
+
+
+def _curves(rows: list[dict]) -> dict[str, list[dict]]:
+    """Swept decoder -> its 'all' rows, by ascending threshold."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["task"] == "all" and r.get("curve"):
+            out.setdefault(r["curve"], []).append(r)
+    return {k: sorted(v, key=lambda r: r["threshold"]) for k, v in out.items()}
+
+
+def _at_accuracy(curve: list[dict], acc: float, keys: Sequence[str]) -> Optional[dict]:
+    """The curve's best ``keys[0]`` at accuracy ``acc``: linear interpolation between neighbouring
+    thresholds whose accuracies bracket ``acc`` (the bracket with the highest ``keys[0]`` wins, all ``keys``
+    taken from it); None when ``acc`` lies outside the curve's accuracy range."""
+    best = None
+    for a, b in zip(curve, curve[1:]):
+        lo, hi = sorted((a["accuracy"], b["accuracy"]))
+        if not lo - 1e-12 <= acc <= hi + 1e-12:
+            continue
+        span = b["accuracy"] - a["accuracy"]
+        if abs(span) < 1e-12:  # flat: either end has this accuracy; take the better one
+            cands = [a, b]
+            p = max(cands, key=lambda r: r.get(keys[0]) or 0.0)
+            got = {k: p.get(k) for k in keys}
+            got["between"] = (p["threshold"], p["threshold"])
+        else:
+            t = (acc - a["accuracy"]) / span
+            got = {k: (None if a.get(k) is None or b.get(k) is None else a[k] + t * (b[k] - a[k])) for k in keys}
+            got["between"] = (a["threshold"], b["threshold"])
+        if best is None or (got[keys[0]] or 0.0) > (best[keys[0]] or 0.0):
+            best = got
+    if best is None and len(curve) == 1 and abs(curve[0]["accuracy"] - acc) < 1e-12:
+        best = {k: curve[0].get(k) for k in keys}
+        best["between"] = (curve[0]["threshold"],) * 2
+    return best
+
+
+def frontier_readoff(rows: list[dict], base: str = "fastdllm-dual-checked", other: str = "polestar"
+                     ) -> list[dict]:
+    """For every point of ``other``'s curve: its accuracy, TPF, tokens/s and projected H200 tokens/s, and
+    ``base``'s at the same accuracy (:func:`_at_accuracy`; None outside ``base``'s accuracy range), with the
+    ratios ``other / base``; also ``base`` at the same threshold."""
+    curves = _curves(rows)
+    if base not in curves or other not in curves:
+        return []
+    keys = ("tpf", "tps", "tps_h200_projection")
+    by_t = {r["threshold"]: r for r in curves[base]}
+    out = []
+    for p in curves[other]:
+        m = _at_accuracy(curves[base], p["accuracy"], keys)
+        ratio = lambda k, ref: (p.get(k) / ref[k] if ref and ref.get(k) and p.get(k) is not None else None)
+        same = by_t.get(p["threshold"])
+        out.append({
+            "threshold": p["threshold"], "accuracy": p["accuracy"],
+            **{k: p.get(k) for k in keys},
+            "base_at_accuracy": m,
+            **{f"{k}_ratio_at_accuracy": ratio(k, m) for k in keys},
+            "base_same_threshold": None if same is None else {"accuracy": same["accuracy"],
+                                                              **{k: same.get(k) for k in keys}},
+            **{f"{k}_ratio_same_threshold": ratio(k, same) for k in keys},
+        })
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _x(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec) + "x"
 
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
     cfg = result["config"]
     names = list(result["decoders"])
-    tasks = [t for t in cfg["tasks"]]
+    tasks = list(cfg["tasks"])
     overall = {r["decoder"]: r for r in rows if r["task"] == "all"}
     base = overall.get("llada")
+    has_proj = any("tps_h200_projection" in r for r in overall.values())
     lines = [
         f"Model `{os.path.basename(result['model'].rstrip('/'))}`, {cfg['n']} held-out instances per task, "
-        f"gen {cfg['gen_length']}, block {cfg['block_length']}, batch {cfg['batch']}; {result['date']}.",
+        f"gen {cfg['gen_length']}, block {cfg['block_length']}, batch {cfg['batch']}, prompt slot "
+        f"{cfg['prompt_slot']}; {result['date']}; load average before {result.get('load_before')}, after "
+        f"{result.get('load_after')}.",
         "",
-        "| decoder | accuracy | TPF | tokens/s | speed-up | NFE | GFLOP/token | refresh rate | compile s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "`tokens/s` is measured on this machine (unsuffixed rows: median of "
+        f"{cfg.get('repeats', 1)} decodes); `H200 tokens/s (projection)` is a MODEL: LLaDA-8B shapes, bf16, "
+        "batch 1, each forward this decoder ran here at its roofline cost (max(bytes / 4.8 TB/s, FLOPs / "
+        "989 TFLOP/s), bench.gpu_check's byte and FLOP models) -- not a measurement.",
+        "",
+        "| decoder | threshold | accuracy | TPF | tokens/s | speed-up | H200 tokens/s (projection) | NFE | "
+        "full / windowed / step / refresh forwards | refresh rows | GFLOP/token | refresh rate | early | suffix | "
+        "compile s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n in names:
         r = overall[n]
         speed = r["tps"] / base["tps"] if base and base["tps"] > 0 else None
-        lines.append(f"| {n} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['tps']:.1f} | "
-                     f"{_fmt(speed)}{'x' if speed is not None else ''} | {r['nfe']:.1f} | "
-                     f"{_fmt(r.get('gflops_per_token'), '.4f')} | {_fmt(r.get('refresh_rate'))} | "
-                     f"{r['compile_seconds']:.1f} |")
-    lines += ["", "Accuracy per task (TPF in parentheses):", "",
-              "| task | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        mix = " / ".join(f"{r.get(k, 0):.2f}" for k in ("forwards_full", "forwards_windowed", "forwards_step",
+                                                          "forwards_refresh"))
+        lines.append(
+            f"| {n} | {_fmt(r.get('threshold'), 'g')} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | "
+            f"{r['tps']:.1f} | {_x(speed)} | {_fmt(r.get('tps_h200_projection'), '.1f')} | {r['nfe']:.2f} | "
+            f"{mix} | {_fmt(r.get('refresh_rows_computed'), '.1f')} | {_fmt(r.get('gflops_per_token'), '.4f')} | "
+            f"{_fmt(r.get('refresh_rate'))} | {_fmt(r.get('early_commits'))} | {_fmt(r.get('suffix_commits'))} | "
+            f"{r['compile_seconds']:.1f} |")
+    ro = frontier_readoff(rows)
+    if ro:
+        lines += ["", "Frontier read-off: each `polestar` point against `fastdllm-dual-checked` at the same "
+                  "accuracy (linear interpolation between the neighbouring thresholds of its curve whose "
+                  "accuracies bracket Polestar's) and at the same threshold. Ratios are polestar / checked "
+                  "dual cache.", "",
+                  "| threshold | polestar accuracy | polestar TPF | dual-checked TPF at that accuracy "
+                  "(between thresholds) | TPF ratio | tokens/s ratio | H200 projection ratio | same threshold: "
+                  "dual-checked accuracy / TPF | TPF ratio | tokens/s ratio | H200 projection ratio |",
+                  "|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+        accs = [r["accuracy"] for r in _curves(rows)["fastdllm-dual-checked"]]
+        for p in ro:
+            m, s = p["base_at_accuracy"], p["base_same_threshold"]
+            if m is None:  # outside the checked dual cache's accuracy range
+                mcell = (f"never reached (max {100 * max(accs):.1f}%)" if p["accuracy"] > max(accs)
+                         else f"below its range (min {100 * min(accs):.1f}%)")
+            else:
+                mcell = f"{m['tpf']:.2f} ({m['between'][0]:g}-{m['between'][1]:g})"
+            scell = "-" if s is None else f"{100 * s['accuracy']:.1f}% / {s['tpf']:.2f}"
+            lines.append(
+                f"| {p['threshold']:g} | {100 * p['accuracy']:.1f}% | {p['tpf']:.2f} | {mcell} | "
+                f"{_x(p['tpf_ratio_at_accuracy'], '.3f')} | {_x(p['tps_ratio_at_accuracy'])} | "
+                f"{_x(p['tps_h200_projection_ratio_at_accuracy'])} | {scell} | "
+                f"{_x(p['tpf_ratio_same_threshold'], '.3f')} | {_x(p['tps_ratio_same_threshold'])} | "
+                f"{_x(p['tps_h200_projection_ratio_same_threshold'])} |")
+    main_names = [n for n in names if not result["decoders"][n].get("sweep_point")]
+    lines += ["", "Accuracy per task (TPF in parentheses; unsuffixed decoders):", "",
+              "| task | " + " | ".join(main_names) + " |", "|---|" + "---:|" * len(main_names)]
     by = {(r["decoder"], r["task"]): r for r in rows}
     for t in tasks:
-        cells = [f"{100 * by[(n, t)]['accuracy']:.1f}% ({by[(n, t)]['tpf']:.2f})" for n in names]
+        cells = [f"{100 * by[(n, t)]['accuracy']:.1f}% ({by[(n, t)]['tpf']:.2f})" for n in main_names]
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    if not has_proj:
+        lines += ["", "(no H200 projection in this run)"]
+    gpu = result.get("gpu_check")
+    if gpu:
+        lay = "x".join(str(v) for v in gpu["layout"])
+        lines += ["", f"Measured step times (`{gpu['path']}`, {gpu['device_kind']}, {gpu['date']}; layout prompt x gen "
+                  f"x block {lay}" + ("" if gpu["matches_run_layout"] else ", NOT this run's layout")
+                  + ("" if gpu["is_gpu"] else "; NOT A GPU") + ") next to the roofline projection of the same "
+                  "kind at that layout:", "",
+                  "| kind | kernels | measured ms (est. full depth) | projected ms (roofline) | bound | "
+                  "measured / projected |", "|---|---|---:|---:|---|---:|"]
+        for k in gpu["kinds"]:
+            lines.append(f"| {k['kind']} | {k['kernels']} | {k['measured_ms']:.3f} | {k['projected_ms']:.3f} | "
+                         f"{k['bound']} | {k['measured_over_projected']:.2f} |")
     return "\n".join(lines)
 
 
 def frontier_plot(rows: list[dict], path: str) -> Optional[str]:
-    """Accuracy against tokens/s, one point per decoder; returns the path, or None without matplotlib."""
+    """Accuracy against tokens/s, measured (left) and the H200 projection (right, a model): one curve per
+    swept decoder through its thresholds, one point per other decoder; returns the path, or None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -359,54 +763,95 @@ def frontier_plot(rows: list[dict], path: str) -> Optional[str]:
         _log("[run] matplotlib is not installed (pip install -e '.[bench]'): no frontier.png")
         return None
     pts = [r for r in rows if r["task"] == "all"]
-    fig, ax = plt.subplots(figsize=(6, 4.2), dpi=120)
-    markers = "osD^vP*X"
-    for i, r in enumerate(pts):  # a legend, not labels: decoders with equal accuracy sit side by side
-        ax.scatter(r["tps"], 100 * r["accuracy"], s=45, marker=markers[i % len(markers)],
-                   label=f"{r['decoder']} (TPF {r['tpf']:.2f})")
-    ax.legend(fontsize=7, loc="best")
-    ax.set_xlabel("tokens/s (non-EOS, decode loop)")
-    ax.set_ylabel("accuracy (%, mean over tasks)")
-    ax.set_title("accuracy vs throughput")
-    ax.grid(alpha=0.3)
+    curves = _curves(rows)
+    on_curve = {r["decoder"] for c in curves.values() for r in c}
+    panels = [("tps", "tokens/s, this machine (measured)")]
+    if all(r.get("tps_h200_projection") for r in pts):
+        panels.append(("tps_h200_projection", "tokens/s, one H200 at LLaDA-8B shapes (PROJECTION: a model)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), dpi=120, squeeze=False)
+    markers = "osD^vP*X<>"
+    for ax, (key, label) in zip(axes[0], panels):
+        for name, c in curves.items():
+            ts = ", ".join(format(r["threshold"], "g") for r in c)
+            line, = ax.plot([r[key] for r in c], [100 * r["accuracy"] for r in c], "-o", ms=5,
+                            label=f"{name} (thresholds {ts})")
+            for r in c:
+                ax.annotate(f"{r['threshold']:g}", (r[key], 100 * r["accuracy"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=6, color=line.get_color())
+        others = [r for r in pts if r["decoder"] not in on_curve]
+        for i, r in enumerate(others):  # a legend, not labels: decoders with equal accuracy sit side by side
+            ax.scatter(r[key], 100 * r["accuracy"], s=40, marker=markers[i % len(markers)],
+                       color=f"C{(len(curves) + i) % 10}", label=f"{r['decoder']} (TPF {r['tpf']:.2f})")
+        ax.set_xlabel(label)
+        ax.set_ylabel("accuracy (%, mean over tasks)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="best")
+    axes[0][0].set_title("accuracy vs throughput")
+    if len(panels) > 1:
+        axes[0][1].set_title("same forwards, H200 roofline projection (model)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 instances per task, FLOPs from the matmul formula")
-    ap.add_argument("--out", default=DEFAULT_OUT, help="output folder (default %(default)s)")
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="8 instances per task, FLOPs from the matmul formula, one repeat")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="output folder (default %(default)s; '' writes nothing)")
     ap.add_argument("--model", default="", help="model folder (default: the bundled trained model)")
-    ap.add_argument("--n", type=int, default=None, help="instances per task (default 200, --quick 8)")
+    ap.add_argument("--n", type=int, default=None, help="instances per task (default 100, --quick 8)")
     ap.add_argument("--batch", type=int, default=RunConfig.batch, help="rows per decode batch")
     ap.add_argument("--tasks", default=None, help=f"comma-separated subset of {','.join(T.TASK_NAMES)}")
-    ap.add_argument("--decoders", default=None, help=f"comma-separated subset of {','.join(DECODER_NAMES)}")
+    ap.add_argument("--decoders", default=None,
+                    help=f"comma-separated subset of {','.join(DECODER_NAMES)}, or <decoder>@<threshold> "
+                         f"for one of {','.join(SWEPT)}")
+    ap.add_argument("--sweep", default=",".join(f"{t:g}" for t in SWEEP_THRESHOLDS),
+                    help=f"thresholds swept for {', '.join(SWEPT)} (default %(default)s; 0.9 is the "
+                         "unsuffixed row)")
+    ap.add_argument("--no-sweep", action="store_true", help="no threshold sweep")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="decodes of the job per unsuffixed decoder, tokens/s = the median (default 3, --quick 1)")
+    ap.add_argument("--seed", type=int, default=0, help="job seed (instance i gets (seed, i))")
     ap.add_argument("--gen-length", type=int, default=None)
     ap.add_argument("--block-length", type=int, default=None)
     ap.add_argument("--no-flops", action="store_true", help="FLOPs from the matmul formula, not XLA")
+    ap.add_argument("--no-projection", action="store_true", help="no H200 projection column")
+    ap.add_argument("--gpu-check", default="", metavar="JSON",
+                    help="a bench.gpu_check JSON (ideally run at this layout: --prompt-length <slot> "
+                         "--gen-length <gen> --block-length <block>): its measured step times are tabled next "
+                         "to the projection")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     base = QUICK if args.quick else RunConfig()
+    try:
+        sweep = () if args.no_sweep else _floats(args.sweep)
+    except ValueError:
+        ap.error("--sweep takes comma-separated thresholds")
     rc = dataclasses.replace(
         base, model=args.model, batch=args.batch, gen_length=args.gen_length, block_length=args.block_length,
         n=args.n if args.n is not None else base.n, flops=base.flops and not args.no_flops,
         tasks=tuple(args.tasks.split(",")) if args.tasks else base.tasks,
-        decoders=tuple(args.decoders.split(",")) if args.decoders else base.decoders)
-    if rc.n <= 0 or rc.batch <= 0:
-        print("error: --n and --batch must be positive", file=sys.stderr)
+        decoders=tuple(args.decoders.split(",")) if args.decoders else base.decoders, sweep=sweep,
+        repeats=args.repeats if args.repeats is not None else base.repeats, seed=args.seed,
+        projection=not args.no_projection, gpu_check=args.gpu_check)
+    if rc.n <= 0 or rc.batch <= 0 or rc.repeats <= 0:
+        print("error: --n, --batch and --repeats must be positive", file=sys.stderr)
         return 2
     command = "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
-        result = run(rc, args.out, command=command, progress=not args.no_progress)
+        result = run(rc, args.out, command=command.strip(), progress=not args.no_progress)
     except PolestarError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(markdown(result))
     if args.out:
-        print(f"\nwrote {os.path.join(args.out, 'results.json')}, results.md"
+        print(f"\nwrote {os.path.join(args.out, 'results.json')}, run.json, results.md"
               + (", frontier.png" if result.get("plot") else ""), file=sys.stderr)
     return 0
 

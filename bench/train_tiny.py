@@ -29,6 +29,9 @@ Usage::
       taskset -c 1 python -m bench.train_tiny --out /tmp/tiny_ckpt --steps 6000 [--resume] [--max-minutes 80]
     # export the latest checkpoint as an HF folder (+ final evaluation in its README)
     python -m bench.train_tiny --out /tmp/tiny_ckpt --resume --steps 6000 --export polestar_jax/assets/tiny_tasks
+    # the long-answer model of issue #13 (--preset is saved in the checkpoint; --resume reuses it)
+    python -m bench.train_tiny --preset tiny_long --out /work/tiny_long_ckpt --steps 8000 --save-every 200
+    python -m bench.train_tiny --out /work/tiny_long_ckpt --export-only --export polestar_jax/assets/tiny_long
 """
 from __future__ import annotations
 
@@ -94,6 +97,9 @@ class TrainConfig:
     # data
     tasks: tuple[str, ...] = T.TASK_NAMES
     task_weights: Optional[tuple[float, ...]] = None  # None: uniform
+    # the named setting this run started from (:data:`PRESETS`); checkpoints saved before it existed are
+    # tiny_tasks runs
+    preset: str = "tiny_tasks"
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -108,6 +114,26 @@ class TrainConfig:
         if d.get("task_weights") is not None:
             d["task_weights"] = tuple(d["task_weights"])
         return cls(**d)
+
+
+#: Named training settings: the fields of :class:`TrainConfig` each one changes from its defaults (which are
+#: ``tiny_tasks``). ``tiny_long`` (issue #13): the long-answer tasks of :mod:`bench.tasks.long`, generation
+#: length 128 (longest answer 99 characters + EOS) in blocks of 32, rows of 140 + 128 tokens (longest chat
+#: prompt 139), batch 16, 8000 steps (~1 s a step on 2 idle cores).
+PRESETS: dict[str, dict] = {
+    "tiny_tasks": {},
+    "tiny_long": dict(preset="tiny_long", tasks=T.LONG_TASK_NAMES, steps=8000, batch=16, gen_length=128,
+                      block_length=32, prompt_slot=140, max_sequence_length=384, warmup=300),
+}
+
+
+def preset_config(name: str, **overrides) -> TrainConfig:
+    """The :class:`TrainConfig` of preset ``name`` with ``overrides`` (fields; ``None`` values are ignored)."""
+    if name not in PRESETS:
+        raise SystemExit(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    fields = dict(PRESETS[name])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(**fields)
 
 
 def model_config(tc: TrainConfig, tok: Tokenizer) -> ModelConfig:
@@ -493,12 +519,19 @@ def _readme(tc: TrainConfig, mcfg: ModelConfig, meta: dict, acc: dict, eval_n: i
     cmds = "\n".join(c for c in meta.get("commands", []) if c)
     rows = "\n".join(f"| {k} | {acc[k] * 100:.1f}% | {T.TASKS[k].doc} |" for k in acc)
     last = meta["history"][-1] if meta.get("history") else {}
-    return f"""# tiny_tasks: a tiny LLaDA trained on synthetic list and arithmetic tasks
+    long = tc.preset == "tiny_long"
+    title = ("tiny_long: a tiny LLaDA trained on long-answer list tasks" if long else
+             "tiny_tasks: a tiny LLaDA trained on synthetic list and arithmetic tasks")
+    issue = "issue #13" if long else "issue #6"
+    bed = ("the long-answer test bed (answers of 55-99 tokens, several 32-token blocks)" if long
+           else "the test bed for decoder accuracy versus speed")
+    formats = "bench/tasks/long.py" if long else "bench/tasks/__init__.py"
+    return f"""# {title}
 
 A {tc.n_layers}-layer LLaDA-architecture model (d_model {tc.d_model}, {tc.n_heads} heads, MLP {tc.mlp_hidden},
 {n_params:,} float32 parameters) with the byte-level tokenizer and LLaDA chat template of `tiny_random`,
 trained from scratch on CPU by `bench/train_tiny.py` with LLaDA's SFT objective on the tasks of
-`bench/tasks` (issue #6). It is the test bed for decoder accuracy versus speed.
+`bench/tasks` ({issue}). It is {bed}.
 
 * Generation length **{tc.gen_length}** (answers padded with `<|endoftext|>`), block length {tc.block_length}.
   Decode with `--gen-length {tc.gen_length} --block-length {tc.block_length}`; other lengths were never trained.
@@ -526,24 +559,46 @@ evaluated on the exported folder ({eval_s:.0f} s):
 |---|---|---|
 {rows}
 
-Task formats are documented in `bench/tasks/__init__.py`.
+Task formats are documented in `{formats}`.
 """
 
 
 # ------------------------------------------------------------------------------------------------ CLI
 
+def _saved_preset(out: str) -> Optional[str]:
+    """The preset of the latest checkpoint in ``out`` (None when it holds none); only reads."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.isdir(out):
+        return None
+    mngr = _ckpt_manager(out)
+    try:
+        step = mngr.latest_step()
+        if step is None:
+            return None
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return TrainConfig.from_json(meta["train_config"]).preset
+    finally:
+        mngr.close()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint folder (orbax CheckpointManager)")
-    ap.add_argument("--steps", type=int, default=TrainConfig.steps, help="total training steps (default %(default)s)")
+    ap.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                    help="named setting (default tiny_tasks; with --resume: the checkpoint's)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"total training steps (default {TrainConfig.steps}, tiny_long {PRESETS['tiny_long']['steps']})")
     ap.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=TrainConfig.batch)
-    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
-    ap.add_argument("--warmup", type=int, default=TrainConfig.warmup)
-    ap.add_argument("--gen-length", type=int, default=TrainConfig.gen_length)
-    ap.add_argument("--block-length", type=int, default=TrainConfig.block_length)
-    ap.add_argument("--prompt-slot", type=int, default=TrainConfig.prompt_slot)
+    # the defaults of these come from the preset (TrainConfig's for tiny_tasks)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--end-lr-ratio", type=float, default=None)
+    ap.add_argument("--gen-length", type=int, default=None)
+    ap.add_argument("--block-length", type=int, default=None)
+    ap.add_argument("--prompt-slot", type=int, default=None)
     ap.add_argument("--task-weights", default=None,
                     help="comma-separated task=weight (others 1), e.g. reverse=2,add=1.5")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this many minutes")
@@ -565,18 +620,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
              + " ".join(f"{k}={v:.3f}" for k, v in acc.items()))
         return
 
+    preset = args.preset
+    if preset is None:
+        preset = (_saved_preset(args.out) if args.resume else None) or "tiny_tasks"
+    task_names = preset_config(preset).tasks
     weights = None
     if args.task_weights:
-        w = dict.fromkeys(T.TASK_NAMES, 1.0)
+        w = dict.fromkeys(task_names, 1.0)
         for item in args.task_weights.split(","):
             k, v = item.split("=")
             if k not in w:
                 raise SystemExit(f"unknown task {k!r}")
             w[k] = float(v)
-        weights = tuple(w[k] for k in T.TASK_NAMES)
-    tc = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
-                     gen_length=args.gen_length, block_length=args.block_length,
-                     prompt_slot=args.prompt_slot, task_weights=weights)
+        weights = tuple(w[k] for k in task_names)
+    tc = preset_config(preset, seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr,
+                       warmup=args.warmup, end_lr_ratio=args.end_lr_ratio, gen_length=args.gen_length,
+                       block_length=args.block_length, prompt_slot=args.prompt_slot, task_weights=weights)
     command = "python -m bench.train_tiny " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res = train(tc, args.out, resume=args.resume, max_minutes=args.max_minutes, save_every=args.save_every,
                 eval_every=args.eval_every, eval_n=args.eval_n, log_every=args.log_every, command=command)

@@ -7,24 +7,24 @@ Prints a one-line summary on success (exit 0); any user error is one ``error: ..
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all: Ctrl-C from here on ends cleanly (polestar_jax.cli takes over)
+    import os as _os
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, lambda *_: (_os.write(2, b"interrupted\n"), _os._exit(130)))
+
 import argparse
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Optional, Sequence
 
+from polestar_jax import cli
 from polestar_jax.errors import PolestarError
 
 DTYPE_CHOICES = ("bfloat16", "float32")
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one ``error: ...`` line on stderr and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {' '.join(message.split())} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m polestar_jax.convert",
+    p = cli.Parser(prog="python -m polestar_jax.convert",
                 description="Convert an HF LLaDA checkpoint (safetensors) to an orbax folder, or back with --to-hf.")
     p.add_argument("src", metavar="SRC_DIR", help="HF folder (or, with --to-hf, a converted folder)")
     p.add_argument("dst", metavar="OUT_DIR", help="output folder (its params/ and config.json are replaced)")
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def run(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_shard_mb is not None:
@@ -44,6 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--max-shard-mb needs --to-hf")
         if not args.max_shard_mb > 0:
             parser.error(f"--max-shard-mb must be positive, got {args.max_shard_mb}")
+    cli.need_folder(args.src, "model folder")
     try:
         from polestar_jax.convert.hf import convert_hf_to_orbax, convert_orbax_to_hf
 
@@ -54,10 +55,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             summary = convert_hf_to_orbax(args.src, args.dst, dtype=args.dtype)
             print(summary.line("converted"))
-    except (PolestarError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    except OSError as e:
+        raise PolestarError(str(e)) from None
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return cli.run_main(run, argv)
 
 
 if __name__ == "__main__":

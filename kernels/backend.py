@@ -14,7 +14,14 @@ Every kernel wrapper in this package takes ``backend=`` (one of :data:`KINDS`) a
 The platform choice is made with :func:`jax.lax.platform_dependent`, i.e. when the computation is lowered,
 not when it is traced: ``jax.export(..., platforms=["cuda"])`` of an ``auto`` call from a CPU-only host
 gets the Triton kernel, ``platforms=["tpu"]`` the Mosaic kernel. (Export one platform at a time: a
-multi-platform export lowers every branch for every platform, and Pallas kernels only lower for their own.)
+multi-platform export lowers every branch for every platform, and Pallas kernels only lower for their own.
+From a machine without a GPU, export through :func:`polestar_jax.compat.export`: jax >= 0.12 needs the
+target GPU named for the Triton lowering.)
+
+Every branch is *traced* on every platform (``platform_dependent`` stages them all out; only lowering picks
+one), so each kernel must trace anywhere: in particular jax >= 0.12 bounds-checks ref slices with a static
+start at trace time, and the Triton flavours pad the small operands they read as static whole-block slices
+to the block sizes (tests/test_compat.py traces every branch at shapes no block divides).
 
 :func:`resolve_backend` answers the same question eagerly for a concrete platform (default: the default
 JAX backend), for callers that want to pick an implementation outside of a trace.

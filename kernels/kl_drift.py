@@ -26,7 +26,8 @@ the output. The head mean (``[b, H, T]`` -> ``[b, T]``) is a tiny jnp reduction 
 Two flavours of the same body:
 
 * ``"triton"`` (GPU): full-extent blocks, the program offsets its rows itself; every load/store is masked,
-  so ``L``, ``T`` and ``hd`` need not be multiples of (or even powers of two like) the block sizes.
+  so ``L``, ``T`` and ``hd`` need not be multiples of (or even powers of two like) the block sizes (a head
+  dim that is not a power of two >= 16 is zero-padded to one in the wrapper: its slice starts at 0).
 * ``"mosaic"`` (TPU): BlockSpecs tile the query rows; the keys / probabilities of one row block stay in
   VMEM (full ``L``) and the sweeps walk them in ``block_l`` chunks (a multiple of 128) with a static tail
   chunk, so no padding or masking is needed.
@@ -206,6 +207,13 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, pl.next_power_of_2(max(int(n), 1)))
 
 
+def _pad_last(x: jax.Array, size: int) -> jax.Array:
+    """``x`` zero-padded at the end of its last axis to ``size`` (``x`` itself when it already has it)."""
+    if x.shape[-1] == size:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
 def block_sizes(flavor: str, t: int, length: int, head_dim: int, block_t: Optional[int] = None,
                 block_l: Optional[int] = None) -> tuple[int, int]:
     """(block_t, block_l) for a flavour.
@@ -266,11 +274,17 @@ def _kl_drift_pallas(q, k, key_valid, p_prev, *, mode: str, flavor: str, interpr
     grid = (b, h, n_t)
     out_shape = (jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, t, length), jnp.float32))
+    bd = _pow2_at_least(hd, 16)
     kernel = functools.partial(_kl_drift_kernel, mode=mode, flavor=flavor, length=length, n_rows=t,
-                               head_dim=hd, block_t=bt, block_l=bl, block_d=_pow2_at_least(hd, 16))
+                               head_dim=hd, block_t=bt, block_l=bl, block_d=bd)
     if flavor == "triton":
-        in_specs = [pl.BlockSpec((None, None, t, hd), lambda i, j, r: (i, j, 0, 0)),
-                    pl.BlockSpec((None, None, length, hd), lambda i, j, r: (i, lax.div(j, g), 0, 0)),
+        # The kernel reads the feature axis as one static slice [0, block_d): it must be in bounds (jax >= 0.12
+        # checks static slices at trace time, for every platform branch), so q and k are zero-padded to
+        # block_d (zero features add nothing to the scores; real head sizes are powers of two >= 16 and
+        # are not copied). The row and key slices start at traced offsets and are masked as usual.
+        q, k = _pad_last(q, bd), _pad_last(k, bd)
+        in_specs = [pl.BlockSpec((None, None, t, bd), lambda i, j, r: (i, j, 0, 0)),
+                    pl.BlockSpec((None, None, length, bd), lambda i, j, r: (i, lax.div(j, g), 0, 0)),
                     pl.BlockSpec((None, 1, length), lambda i, j, r: (i, 0, 0)),
                     pl.BlockSpec((None, None, t, length), lambda i, j, r: (i, j, 0, 0))]
         out_specs = (pl.BlockSpec((None, None, t, 1), lambda i, j, r: (i, j, 0, 0)),

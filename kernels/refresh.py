@@ -20,7 +20,8 @@ Each function has a ``*_reference`` in plain jnp with the same signature, a ``ba
   starts one row DMA per packet entry into a VMEM buffer, awaits them all, then dequantises / masks the
   block; the scatter DMAs each valid row straight into the (aliased) destination.
 * ``centroid_shift`` (both): one program per (batch row, feature chunk): one-hot [K, R] from the labels,
-  two [K, R] x [R, d] products, the update.
+  two [K, R] x [R, d] products, the update. The triton flavour pads K, R and D to its blocks in the
+  wrapper (labels -1, the rest 0) and slices the result.
 
 Indices: ``idx`` [b, C] int32 row numbers, ``valid`` [b, C] bool. Gather clips indices into range
 (invalid entries give zero rows); scatter drops invalid or out-of-range entries, and valid indices of one
@@ -411,6 +412,13 @@ def _shift_kernel_mosaic(lab_ref, cnt_ref, c_ref, ho_ref, hn_ref, out_ref):
     out_ref[...] = _shift_math(c_ref[...], sn, so, cnt_ref[...])
 
 
+def _pad_to(x: jax.Array, shape: tuple[int, ...], value) -> jax.Array:
+    """``x`` padded at the end of each axis to ``shape`` with ``value`` (``x`` itself when it has it)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)], constant_values=value)
+
+
 def _mosaic_block_d(d: int) -> int:
     if d <= 2048:
         return d
@@ -426,16 +434,26 @@ def _shift_pallas(centroids, labels, counts, rows_mask, h_old, h_new, *, flavor,
     ho, hn = h_old.astype(dt), h_new.astype(dt)
     if flavor == "triton":
         bd = min(_pow2(d, 16), 256)
-        kernel = functools.partial(_shift_kernel_triton, n_k=k, n_r=r, width=d, block_k=_pow2(k, 16),
-                                   block_r=_pow2(r, 16), block_d=bd)
-        grid = (b, pl.cdiv(d, bd))
-        specs = [pl.BlockSpec((None, 1, r), lambda i, j: (i, 0, 0)),
-                 pl.BlockSpec((None, k, 1), lambda i, j: (i, 0, 0)),
-                 pl.BlockSpec((None, k, d), lambda i, j: (i, 0, 0)),
-                 pl.BlockSpec((None, r, d), lambda i, j: (i, 0, 0)),
-                 pl.BlockSpec((None, r, d), lambda i, j: (i, 0, 0))]
-        out_spec = pl.BlockSpec((None, k, d), lambda i, j: (i, 0, 0))
+        bk, br, dp = _pow2(k, 16), _pow2(r, 16), pl.cdiv(d, bd) * bd
+        # The kernel reads the label / count / centroid / row axes as static slices [0, block): those must
+        # be in bounds (jax >= 0.12 checks static slices at trace time, and lax.platform_dependent traces
+        # this branch on every platform), so the operands are padded to the blocks here (labels -1, the
+        # rest 0: padded rows belong to no cluster, padded clusters have count 0 and are sliced off).
+        lab = _pad_to(lab, (b, 1, br), -1)
+        cnt = _pad_to(cnt, (b, bk, 1), 0)
+        centroids = _pad_to(centroids, (b, bk, dp), 0)
+        ho, hn = _pad_to(ho, (b, br, dp), 0), _pad_to(hn, (b, br, dp), 0)
+        kernel = functools.partial(_shift_kernel_triton, n_k=k, n_r=r, width=d, block_k=bk, block_r=br,
+                                   block_d=bd)
+        grid = (b, dp // bd)
+        specs = [pl.BlockSpec((None, 1, br), lambda i, j: (i, 0, 0)),
+                 pl.BlockSpec((None, bk, 1), lambda i, j: (i, 0, 0)),
+                 pl.BlockSpec((None, bk, dp), lambda i, j: (i, 0, 0)),
+                 pl.BlockSpec((None, br, dp), lambda i, j: (i, 0, 0)),
+                 pl.BlockSpec((None, br, dp), lambda i, j: (i, 0, 0))]
+        out_spec = pl.BlockSpec((None, bk, dp), lambda i, j: (i, 0, 0))
         params = plgpu.CompilerParams(num_warps=4, num_stages=1)
+        out_kd = (bk, dp)
     elif flavor == "mosaic":
         bd = _mosaic_block_d(d)
         kernel = _shift_kernel_mosaic
@@ -447,12 +465,14 @@ def _shift_pallas(centroids, labels, counts, rows_mask, h_old, h_new, *, flavor,
                  pl.BlockSpec((None, r, bd), lambda i, j: (i, 0, j))]
         out_spec = pl.BlockSpec((None, k, bd), lambda i, j: (i, 0, j))
         params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+        out_kd = (k, d)
     else:
         raise ValueError(f"unknown flavor {flavor!r}")
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((b, k, d), dt), grid=grid, in_specs=specs, out_specs=out_spec,
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((b, *out_kd), dt), grid=grid, in_specs=specs, out_specs=out_spec,
         compiler_params=params, interpret=_interp(flavor, interpret), name="centroid_shift",
     )(lab, cnt, centroids, ho, hn)
+    return out if out_kd == (k, d) else out[:, :k, :d]
 
 
 def centroid_shift(centroids: jax.Array, labels: jax.Array, counts: jax.Array, rows_mask: jax.Array,

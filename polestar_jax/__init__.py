@@ -1,6 +1,21 @@
-"""polestar-jax: LLaDA diffusion-LM decoding (LLaDA, Fast-dLLM, Polestar) in JAX."""
-from polestar_jax.config import DecodeConfig, ModelConfig
-from polestar_jax.errors import CheckpointError, ConfigError, PolestarError
+"""polestar-jax: LLaDA diffusion-LM decoding (LLaDA, Fast-dLLM, Polestar) in JAX.
 
-__all__ = ["DecodeConfig", "ModelConfig", "PolestarError", "CheckpointError", "ConfigError"]
+The package itself imports nothing heavy (the names below load on first use), so ``python -m
+polestar_jax.<command>`` reaches its own interrupt handling before JAX is imported (see
+:mod:`polestar_jax.cli`).
+"""
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["DecodeConfig", "ModelConfig", "PolestarConfig", "PolestarError", "CheckpointError", "ConfigError"]
 __version__ = "0.1.0"
+
+_WHERE = {"DecodeConfig": "config", "ModelConfig": "config", "PolestarConfig": "config",
+          "PolestarError": "errors", "CheckpointError": "errors", "ConfigError": "errors"}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"polestar_jax.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'polestar_jax' has no attribute {name!r}")

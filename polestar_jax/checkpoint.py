@@ -1,4 +1,4 @@
-"""Checkpoint IO: Hugging Face LLaDA safetensors <-> our params pytree <-> orbax.
+"""Checkpoint IO: Hugging Face LLaDA / Dream safetensors <-> our params pytree <-> orbax.
 
 The params pytree (a plain nested dict; layer weights stacked over layers on axis 0; linear weights stored
 ``[in, out]``, the transpose of HF/PyTorch's ``[out, in]``)::
@@ -23,6 +23,13 @@ The params pytree (a plain nested dict; layer weights stacked over layers on axi
 with ``V = embedding_size``, ``D = d_model``, ``N = n_layers``, ``H = n_heads``, ``KV = n_kv_heads``,
 ``hd = D // H``, ``F = mlp_hidden_size``.
 
+Dream (``model_type`` "Dream", the Qwen2 layout) uses the same pytree plus the q/k/v biases
+``blocks/bq`` [N, H*hd], ``blocks/bk`` / ``blocks/bv`` [N, KV*hd], from the HF Qwen2 names
+(``_QWEN2_BLOCK_TENSORS``): ``model.embed_tokens.weight`` -> wte, ``model.layers.{i}.input_layernorm`` ->
+attn_norm, ``self_attn.{q,k,v}_proj.{weight,bias}`` -> wq/bq, wk/bk, wv/bv, ``self_attn.o_proj`` -> wo,
+``post_attention_layernorm`` -> ff_norm, ``mlp.{gate,up,down}_proj`` -> w_gate, w_up, w_down,
+``model.norm.weight`` -> ln_f, ``lm_head.weight`` -> lm_head (untied).
+
 Two on-disk formats are read by :func:`load_model`:
 
 * an HF folder: ``config.json`` + ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``);
@@ -44,7 +51,7 @@ import numpy as np
 
 from polestar_jax.config import ModelConfig
 from polestar_jax.errors import CheckpointError, ConfigError
-from polestar_jax.safetensors_io import read_safetensors, read_safetensors_header, write_safetensors
+from polestar_jax.safetensors_io import LazyTensors, read_safetensors, write_safetensors
 
 __all__ = [
     "Params", "HF_PREFIX", "CONFIG_FILE", "SAFETENSORS_FILE", "INDEX_FILE", "PARAMS_SUBDIR", "FORMAT_KEY",
@@ -83,6 +90,34 @@ _TOP_TENSORS: tuple[tuple[str, str, bool], ...] = (
     ("lm_head", "ff_out", True),
 )
 
+# Dream (Qwen2 layout, HF Qwen2 tensor names): per-layer tensors as ``model.layers.{i}.<name>``, top-level
+# tensors by full name; the q/k/v biases go to ``blocks/bq|bk|bv`` ([N, H*hd], [N, KV*hd]).
+_QWEN2_BLOCK_TENSORS: tuple[tuple[str, str, bool], ...] = (
+    ("attn_norm", "input_layernorm.weight", False),
+    ("wq", "self_attn.q_proj.weight", True),
+    ("bq", "self_attn.q_proj.bias", False),
+    ("wk", "self_attn.k_proj.weight", True),
+    ("bk", "self_attn.k_proj.bias", False),
+    ("wv", "self_attn.v_proj.weight", True),
+    ("bv", "self_attn.v_proj.bias", False),
+    ("wo", "self_attn.o_proj.weight", True),
+    ("ff_norm", "post_attention_layernorm.weight", False),
+    ("w_gate", "mlp.gate_proj.weight", True),
+    ("w_up", "mlp.up_proj.weight", True),
+    ("w_down", "mlp.down_proj.weight", True),
+)
+_QWEN2_TOP_TENSORS: tuple[tuple[str, str, bool], ...] = (
+    ("wte", "model.embed_tokens.weight", False),
+    ("ln_f", "model.norm.weight", False),
+    ("lm_head", "lm_head.weight", True),
+)
+#: ModelConfig.family -> (per-layer name format, block tensors, top-level tensors), full HF names.
+_NAME_MAPS = {
+    "llada": (HF_PREFIX + "blocks.{i}.{name}.weight", _BLOCK_TENSORS,
+              tuple((k, f"{HF_PREFIX}{n}.weight", t) for k, n, t in _TOP_TENSORS)),
+    "dream": ("model.layers.{i}.{name}", _QWEN2_BLOCK_TENSORS, _QWEN2_TOP_TENSORS),
+}
+
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "f16": "float16", "half": "float16", "float": "float32"}
 
@@ -112,15 +147,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The params pytree of ``cfg`` with a shape tuple at each leaf (see the module docstring)."""
     d, n, f, v = cfg.d_model, cfg.n_layers, cfg.mlp_hidden_size, cfg.embedding_size
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {
-        "wte": (v, d),
-        "blocks": {
-            "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv), "wo": (n, q, d),
-            "ff_norm": (n, d), "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
-        },
-        "ln_f": (d,),
-        "lm_head": (d, v),
+    blocks = {
+        "attn_norm": (n, d), "wq": (n, d, q), "wk": (n, d, kv), "wv": (n, d, kv), "wo": (n, q, d),
+        "ff_norm": (n, d), "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
     }
+    if cfg.include_qkv_bias:  # Dream: q/k/v biases
+        blocks.update(bq=(n, q), bk=(n, kv), bv=(n, kv))
+    return {"wte": (v, d), "blocks": blocks, "ln_f": (d,), "lm_head": (d, v)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +174,15 @@ def _hf_entries(cfg: ModelConfig) -> dict[str, _HFEntry]:
     def hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
         return tuple(reversed(shape)) if transpose else tuple(shape)
 
-    out[HF_PREFIX + "wte.weight"] = _HFEntry("wte", None, False, shapes["wte"])
+    layer_fmt, block_tensors, top_tensors = _NAME_MAPS[cfg.family]
+    key, hf_name, transpose = top_tensors[0]  # the embedding comes first, as in HF order
+    out[hf_name] = _HFEntry(key, None, transpose, hf_shape(shapes[key], transpose))
     for i in range(cfg.n_layers):
-        for key, hf_name, transpose in _BLOCK_TENSORS:
-            out[f"{HF_PREFIX}blocks.{i}.{hf_name}.weight"] = _HFEntry(
+        for key, hf_name, transpose in block_tensors:
+            out[layer_fmt.format(i=i, name=hf_name)] = _HFEntry(
                 key, i, transpose, hf_shape(shapes["blocks"][key][1:], transpose))
-    for key, hf_name, transpose in _TOP_TENSORS[1:]:
-        out[f"{HF_PREFIX}{hf_name}.weight"] = _HFEntry(key, None, transpose, hf_shape(shapes[key], transpose))
+    for key, hf_name, transpose in top_tensors[1:]:
+        out[hf_name] = _HFEntry(key, None, transpose, hf_shape(shapes[key], transpose))
     return out
 
 
@@ -201,15 +236,33 @@ def params_dtype(params: Mapping[str, Any]) -> str:
 
 # -------------------------------------------------------------------------------------- HF <-> params
 
-def _canonical_names(tensors: Mapping[str, Any]) -> dict[str, str]:
-    """Canonical HF name (``model.transformer.*``) -> name used in ``tensors`` (which may omit ``model.``)."""
+def _canonical_names(tensors: Mapping[str, Any], expected: Mapping[str, Any] = {}) -> dict[str, str]:
+    """Canonical HF name (``model.transformer.*``) -> name used in ``tensors`` (which may omit ``model.``;
+    a name among ``expected`` is canonical as it is, e.g. Qwen2's ``lm_head.weight``)."""
     out: dict[str, str] = {}
     for name in tensors:
-        canon = name if name.startswith("model.") else "model." + name
+        canon = name if name.startswith("model.") or name in expected else "model." + name
         if canon in out:
             raise CheckpointError(f"tensor {canon} appears twice (as {out[canon]!r} and {name!r})")
         out[canon] = name
     return out
+
+
+def _matched_names(tensors: Mapping[str, Any], cfg: ModelConfig, entries: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`_canonical_names` of ``tensors``, checked to be exactly the tensors of ``entries``
+    (:class:`CheckpointError` naming the first unexpected or missing one)."""
+    names = _canonical_names(tensors, entries)
+    extra = sorted(n for n in names if n not in entries)
+    if extra:
+        kind = {"llada": "LLaDA", "dream": "Dream"}.get(cfg.family, cfg.family)
+        raise CheckpointError(f"unexpected tensor {names[extra[0]]} in checkpoint (not part of a {kind} model "
+                              f"with {cfg.n_layers} layers)"
+                              + (f"; {len(extra) - 1} more unexpected" if len(extra) > 1 else ""))
+    missing = [n for n in entries if n not in names]
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]} in checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return names
 
 
 def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: DTypeLike = None) -> Params:
@@ -230,39 +283,27 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: DTy
     """
     want = resolve_dtype(dtype)
     entries = _hf_entries(cfg)
-    names = _canonical_names(tensors)
-    extra = sorted(n for n in names if n not in entries)
-    if extra:
-        raise CheckpointError(f"unexpected tensor {names[extra[0]]} in checkpoint (not part of a LLaDA model "
-                              f"with {cfg.n_layers} layers)"
-                              + (f"; {len(extra) - 1} more unexpected" if len(extra) > 1 else ""))
-    missing = [n for n in entries if n not in names]
-    if missing:
-        raise CheckpointError(f"missing tensor {missing[0]} in checkpoint"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for name, e in entries.items():
-        arr = tensors[names[name]]
+    names = _matched_names(tensors, cfg, entries)
+    shapes = param_shapes(cfg)
+    params: Params = {"blocks": {}}
+    for name, e in entries.items():  # one lookup per tensor: a LazyTensors reads each tensor once, here
+        arr = np.asarray(tensors[names[name]])
         if tuple(arr.shape) != e.shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)}, config expects {e.shape}")
         if not jnp.issubdtype(arr.dtype, jnp.floating):
             raise CheckpointError(f"tensor {name} has non-floating dtype {arr.dtype}")
-
-    shapes = param_shapes(cfg)
-    layer_dtype: dict[str, np.dtype] = {}
-    for name, e in entries.items():
-        if e.layer is not None:
-            dt = np.dtype(tensors[names[name]].dtype)
-            layer_dtype[e.key] = dt if e.key not in layer_dtype else np.promote_types(layer_dtype[e.key], dt)
-    params: Params = {"blocks": {key: np.empty(shapes["blocks"][key], want or layer_dtype[key])
-                                 for key, _, _ in _BLOCK_TENSORS}}
-    for name, e in entries.items():
-        arr = np.asarray(tensors[names[name]])
         if e.transpose:
             arr = arr.T
         if e.layer is None:
-            params[e.key] = np.array(arr, dtype=want or arr.dtype, order="C")  # a copy, even of a memmap
-        else:
-            params["blocks"][e.key][e.layer] = arr  # casts (round-to-nearest-even) when dtype is given
+            params[e.key] = np.array(arr, dtype=want or arr.dtype, order="C")  # a fresh C-contiguous copy
+            continue
+        stack = params["blocks"].get(e.key)
+        dt = want or (arr.dtype if stack is None else np.promote_types(stack.dtype, arr.dtype))
+        if stack is None:
+            stack = params["blocks"][e.key] = np.empty(shapes["blocks"][e.key], dt)
+        elif stack.dtype != dt:  # layers of mixed dtypes: the stack takes their promoted dtype (exact)
+            stack = params["blocks"][e.key] = stack.astype(dt)
+        stack[e.layer] = arr  # casts (round-to-nearest-even) when dtype is given
     return {"wte": params["wte"], "blocks": params["blocks"], "ln_f": params["ln_f"], "lm_head": params["lm_head"]}
 
 
@@ -314,13 +355,14 @@ def is_converted_folder(path: Union[str, os.PathLike]) -> bool:
             or os.path.isdir(os.path.join(path, PARAMS_SUBDIR)))
 
 
-def read_hf_folder(path: Union[str, os.PathLike], *, mmap: bool = True) -> dict[str, np.ndarray]:
-    """Reads the tensors of an HF folder: ``model.safetensors``, or the shards listed in
+def read_hf_folder(path: Union[str, os.PathLike]) -> LazyTensors:
+    """The tensors of an HF folder: ``model.safetensors``, or the shards listed in
     ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``).
 
-    With an index, the index is authoritative: exactly the listed tensors are returned, each from its
-    shard; a listed shard file that is missing, or a listed tensor absent from its shard, raises
-    :class:`CheckpointError`. Arrays are memory-mapped (read-only) unless ``mmap=False``.
+    Every file's header is checked now; each tensor is read from its file when looked up
+    (:class:`~polestar_jax.safetensors_io.LazyTensors`). With an index, the index is authoritative: exactly
+    the listed tensors are returned, each from its shard; a listed shard file that is missing, or a listed
+    tensor absent from its shard, raises :class:`CheckpointError`.
     """
     path = require_folder(path)
     index_path = os.path.join(path, INDEX_FILE)
@@ -338,21 +380,21 @@ def read_hf_folder(path: Union[str, os.PathLike], *, mmap: bool = True) -> dict[
             if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
                 raise CheckpointError(f"{index_path}: tensor {name}: invalid shard file name {shard!r}")
             by_shard.setdefault(shard, []).append(name)
-        tensors: dict[str, np.ndarray] = {}
+        files: dict[str, str] = {}
         for shard, names in by_shard.items():
             shard_path = os.path.join(path, shard)
             if not os.path.isfile(shard_path):
                 raise CheckpointError(f"{index_path}: shard file {shard} (holding tensor {names[0]}) not found")
-            entries, _ = read_safetensors_header(shard_path)
-            absent = [n for n in names if n not in entries]
+            have = read_safetensors(shard_path)
+            absent = [n for n in names if n not in have]
             if absent:
                 raise CheckpointError(f"{shard_path}: tensor {absent[0]} listed in {INDEX_FILE} is missing "
                                       "from this shard")
-            tensors.update(read_safetensors(shard_path, mmap=mmap, names=names))
-        return tensors
+            files.update(dict.fromkeys(names, shard_path))
+        return LazyTensors(files)
     single = os.path.join(path, SAFETENSORS_FILE)
     if os.path.isfile(single):
-        return read_safetensors(single, mmap=mmap)
+        return read_safetensors(single)
     if any(os.path.isfile(os.path.join(path, f)) for f in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         raise CheckpointError(f"{path}: only safetensors checkpoints are supported (found pytorch_model.bin); "
                               "re-save the model with safe_serialization=True")
@@ -366,8 +408,9 @@ def _orbax():
     return ocp
 
 
-def _read_orbax_params(params_dir: str, cfg: ModelConfig) -> Params:
-    """Restores the params saved by :func:`save_converted` as jax arrays on the default device."""
+def _read_orbax_params(params_dir: str, cfg: ModelConfig, shardings: Any = None) -> Params:
+    """Restores the params saved by :func:`save_converted` as jax arrays on the default device, or with
+    ``shardings`` (a pytree of shardings or a mesh; each process restores only its shards)."""
     ocp = _orbax()
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"converted checkpoint folder not found: {params_dir}")
@@ -388,6 +431,9 @@ def _read_orbax_params(params_dir: str, cfg: ModelConfig) -> Params:
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
                                            sharding=jax.sharding.SingleDeviceSharding(device)),
             dict(tree), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+        if shardings is not None:
+            target = jax.tree.map(lambda t, sh: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sh),
+                                  target, _resolve_shardings(shardings, target))
         try:
             return ckptr.restore(params_dir, target)
         except Exception as e:  # noqa: BLE001
@@ -397,7 +443,104 @@ def _read_orbax_params(params_dir: str, cfg: ModelConfig) -> Params:
         ckptr.close()
 
 
-def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None) -> tuple[ModelConfig, Params]:
+# ------------------------------------------------------------------------------- sharded (per-shard) loading
+
+#: safetensors dtype names of the floating types a checkpoint may hold
+_ST_FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+def _resolve_shardings(shardings: Any, abstract: Params) -> Any:
+    """A pytree of ``jax.sharding.Sharding`` for ``abstract``: ``shardings`` itself, or, for a
+    ``jax.sharding.Mesh``, :func:`polestar_jax.sharding.param_shardings` over it."""
+    if isinstance(shardings, jax.sharding.Mesh):
+        from polestar_jax.sharding import param_shardings
+
+        return param_shardings(abstract, shardings)
+    return shardings
+
+
+def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np.dtype], shardings: Any) -> Params:
+    """What ``jax.device_put(hf_to_params(tensors, cfg, want), shardings)`` gives, bit for bit, built shard by
+    shard: every array is made with ``jax.make_array_from_callback``, whose callback reads only the slice
+    of the checkpoint a local device holds (safetensors slices of the memory-mapped files), so a process
+    materialises its own shards only (multi-process meshes) and no full copy of the weights is made.
+    Names, shapes and dtypes are checked from the file headers first, with :func:`hf_to_params`'s messages."""
+    import contextlib
+
+    import safetensors
+
+    from polestar_jax.safetensors_io import _errors
+
+    entries = _hf_entries(cfg)
+    names = _matched_names(tensors, cfg, entries)
+    files = tensors.files
+    shapes = param_shapes(cfg)
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def tensor_slice(name: str):
+            src = names[name]
+            path = files[src]
+            if path not in handles:
+                with _errors(path):
+                    handles[path] = stack.enter_context(safetensors.safe_open(path, framework="numpy"))
+            with _errors(path):
+                return handles[path].get_slice(src)
+
+        stored: dict[str, np.dtype] = {}
+        for name, e in entries.items():  # headers only
+            sl = tensor_slice(name)
+            shape, st_dtype = tuple(sl.get_shape()), sl.get_dtype()
+            if shape != e.shape:
+                raise CheckpointError(f"tensor {name} has shape {shape}, config expects {e.shape}")
+            if st_dtype not in _ST_FLOAT_DTYPES:
+                raise CheckpointError(f"tensor {name} has non-floating dtype {st_dtype}")
+            stored[name] = np.dtype(_ST_FLOAT_DTYPES[st_dtype])
+        by_key: dict[tuple[str, bool], list[str]] = {}  # (key, per-layer) -> HF names (layer order)
+        for name, e in entries.items():
+            by_key.setdefault((e.key, e.layer is not None), []).append(name)
+        abstract: Params = {"blocks": {}}
+        for (key, layered), hf_names in by_key.items():
+            dt = want
+            if dt is None:  # as hf_to_params: layers of mixed dtypes take their promoted dtype
+                dt = stored[hf_names[0]]
+                for n in hf_names[1:]:
+                    dt = np.promote_types(dt, stored[n])
+            shape = shapes["blocks"][key] if layered else shapes[key]
+            (abstract["blocks"] if layered else abstract)[key] = jax.ShapeDtypeStruct(tuple(shape), dt)
+        target = _resolve_shardings(shardings, abstract)
+
+        def read(name: str, index: tuple) -> np.ndarray:
+            e = entries[name]
+            sl = tensor_slice(name)
+            with _errors(files[names[name]]):
+                arr = sl[tuple(reversed(index)) if e.transpose else tuple(index)]
+            return arr.T if e.transpose else arr
+
+        def build(key: str, layered: bool, hf_names: list[str], leaf: jax.ShapeDtypeStruct, sharding):
+            def shard(index: tuple) -> np.ndarray:
+                index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
+                if not layered:
+                    arr = read(hf_names[0], index)
+                else:
+                    layers = range(leaf.shape[0])[index[0]]
+                    parts = [read(hf_names[i], index[1:]).astype(leaf.dtype, copy=False) for i in layers]
+                    arr = np.stack(parts) if parts else np.zeros((0,) + leaf.shape[1:], leaf.dtype)
+                return np.ascontiguousarray(arr, dtype=leaf.dtype)  # casts as hf_to_params (numpy, RNE)
+
+            return jax.make_array_from_callback(tuple(leaf.shape), sharding, shard)
+
+        out: Params = {"blocks": {}}
+        for (key, layered), hf_names in by_key.items():
+            leaf = abstract["blocks"][key] if layered else abstract[key]
+            sharding = target["blocks"][key] if layered else target[key]
+            (out["blocks"] if layered else out)[key] = build(key, layered, hf_names, leaf, sharding)
+    top = [k for k in ("wte", "blocks", "ln_f", "lm_head") if k in out]
+    return {k: out[k] for k in top + [k for k in out if k not in top]}
+
+
+def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None,
+               shardings: Any = None) -> tuple[ModelConfig, Params]:
     """Loads a model folder: an HF folder (``config.json`` + ``model.safetensors`` or a sharded index) or a
     folder written by :func:`save_converted` (``config.json`` + orbax ``params/``).
 
@@ -405,9 +548,14 @@ def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None) -> tuple[
         path: the folder.
         dtype: ``None`` (keep the stored dtype), ``"float32"``, ``"bfloat16"``, ``"float16"`` or a
             jnp/numpy dtype: every parameter is cast to it.
+        shardings: ``None`` (the default device), a ``jax.sharding.Mesh`` (the layout of
+            :func:`polestar_jax.sharding.param_shardings`) or a params pytree of shardings: each array is
+            built shard by shard from the checkpoint (safetensors slices; orbax restores with the
+            shardings), so each process of a multi-process mesh reads and holds only its own shards.
 
     Returns:
-        ``(cfg, params)`` with params a pytree of jax arrays on the default device (module docstring).
+        ``(cfg, params)`` with params a pytree of jax arrays on the default device (module docstring),
+        or placed with ``shardings``.
 
     Raises:
         CheckpointError: missing folder/files, corrupt or mismatched checkpoint.
@@ -417,10 +565,12 @@ def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None) -> tuple[
     want = resolve_dtype(dtype)
     cfg = ModelConfig.from_json(os.path.join(path, CONFIG_FILE))
     if is_converted_folder(path):
-        params = _read_orbax_params(os.path.abspath(os.path.join(path, PARAMS_SUBDIR)), cfg)
+        params = _read_orbax_params(os.path.abspath(os.path.join(path, PARAMS_SUBDIR)), cfg, shardings)
         if want is not None:
             params = jax.tree.map(lambda x: x.astype(want), params)
         return cfg, params
+    if shardings is not None:
+        return cfg, _hf_params_sharded(read_hf_folder(path), cfg, want, shardings)
     params = hf_to_params(read_hf_folder(path), cfg, dtype=want)
     return cfg, jax.tree.map(jnp.asarray, params)
 

@@ -12,6 +12,9 @@ ties towards the lowest index (:func:`rank_desc`). Then:
   ``j``-th (0-based) passes iff ``conf_j >= 1 - factor / (j + 2)``; the count committed is the index of the
   first failure (at least 1), and all ``n`` when the first failure is the last candidate (as the reference).
 
+Dream's fixed rule (``DecodeConfig.schedule="timesteps"``, ``rank_by="neg_entropy"``): :func:`timestep_schedule`
+and :func:`neg_entropy`.
+
 Shapes: ``logits`` [b, T, V] float32, ``masked`` [b, T] bool; outputs [b, T].
 """
 from __future__ import annotations
@@ -20,12 +23,12 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Prediction(NamedTuple):
     x0: jax.Array  # [b, T] int32 predicted token (never the mask id)
     conf: jax.Array  # [b, T] float32 confidence on candidates, -inf elsewhere
-    prob: jax.Array  # [b, T] float32 softmax probability of x0 (all rows)
 
 
 def predict(
@@ -50,7 +53,7 @@ def predict(
     if noise_keys is not None:
         g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(noise_keys)
         scored = logits + jnp.asarray(temperature, jnp.float32) * g
-    # J1: the mask token is never a prediction, so every commit makes progress.
+    # docs/differences.md#d1: the mask token is never a prediction, so every commit makes progress.
     x0 = jnp.argmax(jnp.where(not_mask, scored, -jnp.inf), axis=-1).astype(jnp.int32)
     m = jnp.max(logits, axis=-1, keepdims=True)
     lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
@@ -60,11 +63,27 @@ def predict(
     if random_remask:
         conf = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), masked.shape[1:]))(noise_keys)
     conf = jnp.where(masked, conf, -jnp.inf)
-    return Prediction(x0, conf, prob)
+    return Prediction(x0, conf)
 
 
-def rank_desc(conf: jax.Array) -> jax.Array:
-    """Rank of each position by descending ``conf`` [b, T] (0 = most confident; ties: lower index first)."""
+def noise_keys(rng: jax.Array, counter: jax.Array, salt: int = 0) -> jax.Array:
+    """Per-row key data [b, 2] for one forward's sampling noise: the row key ``rng`` [b, 2] folded with the
+    row's forward count ``counter`` [b] (and ``salt`` > 0 for a second draw in the same forward)."""
+    def one(k, n):
+        key = jax.random.fold_in(jax.random.wrap_key_data(k), n)
+        if salt:
+            key = jax.random.fold_in(key, salt)
+        return jax.random.key_data(key)
+
+    return jax.vmap(one)(rng, counter)
+
+
+def rank_desc(conf: jax.Array, tie_order: Optional[np.ndarray] = None) -> jax.Array:
+    """Rank of each position by descending ``conf`` [b, T] (0 = most confident; ties: lower index first,
+    or earlier in ``tie_order``, a static permutation of the T positions, when given)."""
+    if tie_order is not None:
+        perm = np.asarray(tie_order)
+        return rank_desc(conf[:, perm])[:, np.argsort(perm)]
     order = jnp.argsort(-conf, axis=-1, stable=True)
     return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
 
@@ -78,9 +97,11 @@ def commit_fixed(conf: jax.Array, masked: jax.Array, k: jax.Array) -> jax.Array:
     return masked & (rank_desc(_candidates_only(conf, masked)) < k[:, None])
 
 
-def commit_threshold(conf: jax.Array, masked: jax.Array, threshold: jax.Array | float) -> jax.Array:
-    """The most confident candidate, and every candidate with ``conf >= threshold``."""
-    return masked & ((rank_desc(_candidates_only(conf, masked)) == 0) | (conf >= threshold))
+def commit_threshold(conf: jax.Array, masked: jax.Array, threshold: jax.Array | float,
+                     tie_order: Optional[np.ndarray] = None) -> jax.Array:
+    """The most confident candidate, and every candidate with ``conf >= threshold`` (``tie_order``: see
+    :func:`rank_desc`)."""
+    return masked & ((rank_desc(_candidates_only(conf, masked), tie_order) == 0) | (conf >= threshold))
 
 
 def commit_factor(conf: jax.Array, masked: jax.Array, factor: jax.Array | float) -> jax.Array:
@@ -103,3 +124,33 @@ def fixed_schedule(n_masked: jax.Array, steps: int, i: jax.Array) -> jax.Array:
     rem = n_masked % steps
     k = base + (i < rem).astype(n_masked.dtype)
     return jnp.where(i < steps, k, 0)
+
+
+def neg_entropy(logits: jax.Array) -> jax.Array:
+    """Dream's ``alg="entropy"`` score of each position: ``sum p log(p + 1e-10)`` of the softmax of
+    ``logits`` [b, T, V] (float32), [b, T]; higher is more certain."""
+    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(p * jnp.log(p + 1e-10), axis=-1)
+
+
+def timesteps(steps: int, eps: float) -> np.ndarray:
+    """``torch.linspace(1, eps, steps + 1)`` in float32 as torch computes it (``start + step * i`` for the
+    first half, ``end - step * (steps - i)`` for the second)."""
+    n = steps + 1
+    start, end = np.float32(1.0), np.float32(eps)
+    step = np.float32((end - start) / np.float32(max(n - 1, 1)))
+    i = np.arange(n)
+    return np.where(i < n // 2, start + step * i.astype(np.float32),
+                    end - step * (n - 1 - i).astype(np.float32)).astype(np.float32)
+
+
+def timestep_schedule(n_masked: jax.Array, steps: int, i: jax.Array, eps: float) -> jax.Array:
+    """Dream's fixed schedule: tokens to commit at step ``i`` of a block of ``steps`` steps when
+    ``n_masked`` [b] masks are left: ``int(n * (1 - s / t))`` with ``t, s`` = timesteps ``i, i + 1`` of
+    :func:`timesteps` (float32 as the reference), and all ``n`` from step ``steps - 1`` on (the reference
+    stops at step ``steps`` even with masks left, J5; here the block always fills)."""
+    ts = jnp.asarray(timesteps(steps, eps))
+    j = jnp.clip(i, 0, steps - 1)
+    ratio = jnp.float32(1.0) - ts[j + 1] / ts[j]
+    k = jnp.floor(n_masked.astype(jnp.float32) * ratio).astype(n_masked.dtype)
+    return jnp.where(i >= steps - 1, n_masked, k)

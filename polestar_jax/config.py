@@ -1,11 +1,12 @@
 """Configurations as frozen dataclasses.
 
-* :class:`ModelConfig`: the LLaDA architecture, read from a Hugging Face ``config.json``.
+* :class:`ModelConfig`: a LLaDA or Dream model's shapes and ids, read from a Hugging Face ``config.json``.
 * :class:`DecodeConfig`: which decoder runs (``llada``, ``fastdllm``) and its knobs.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from typing import Any, Literal, Optional
@@ -27,6 +28,12 @@ _REQUIRED_VALUES: dict[str, Any] = {
     "block_group_size": 1,
 }
 _REQUIRED_FIELDS = ("d_model", "n_heads", "n_layers", "mlp_hidden_size", "vocab_size", "mask_token_id")
+# config.json ``model_type`` -> ModelConfig.family
+_MODEL_TYPES = {"llada": "llada", "Dream": "dream"}
+# Dream (Qwen2 layout): required fields and fixed values
+_DREAM_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                          "vocab_size")
+_DREAM_REQUIRED_VALUES: dict[str, Any] = {"hidden_act": "silu", "tie_word_embeddings": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,20 +58,26 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     include_qkv_bias: bool = False
+    family: str = "llada"  # the model family (polestar_jax.family.FAMILIES)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
+    def from_dict(cls, d: dict, source: str = "config", generation: Optional[dict] = None) -> "ModelConfig":
         """Builds a config from a parsed HF ``config.json``; raises :class:`ConfigError` on anything we
-        cannot run (another architecture, missing fields, inconsistent shapes)."""
+        cannot run (another architecture, missing fields, inconsistent shapes). The family comes from
+        ``model_type`` (``llada`` or ``Dream``); ``generation`` (a parsed ``generation_config.json``) supplies
+        ids the config lacks (Dream's eos)."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object")
         model_type = d.get("model_type", "llada")
-        if model_type != "llada":
-            raise ConfigError(f"{source}: model_type {model_type!r} is not a LLaDA model (expected 'llada')")
+        if model_type not in _MODEL_TYPES:
+            raise ConfigError(f"{source}: unsupported model_type {model_type!r} (supported: "
+                              f"{', '.join(map(repr, _MODEL_TYPES))})")
+        if _MODEL_TYPES[model_type] == "dream":
+            return cls._from_dream_dict(d, source, generation)
         missing = [f for f in _REQUIRED_FIELDS if f not in d]
         if missing:
             raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
@@ -109,7 +122,52 @@ class ModelConfig:
                 d = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(d, source=path)
+        generation = None
+        gen_path = os.path.join(os.path.dirname(path), "generation_config.json")
+        if os.path.isfile(gen_path):
+            try:
+                with open(gen_path) as f:
+                    generation = json.load(f)
+            except (OSError, ValueError):
+                generation = None  # optional; checkpoint.generation_defaults reports a broken file
+        return cls.from_dict(d, source=path, generation=generation if isinstance(generation, dict) else None)
+
+    @classmethod
+    def _from_dream_dict(cls, d: dict, source: str, generation: Optional[dict]) -> "ModelConfig":
+        """A Dream (Qwen2-layout) ``config.json``: q/k/v biases, GQA, untied head. Ids as the official
+        sampler takes them: the mask id from ``config.json`` (DreamConfig's default 151666 when absent),
+        pad from the config (default 151643), eos from the config, else ``generation_config.json``,
+        else pad (``docs/differences.md#d25``)."""
+        missing = [f for f in _DREAM_REQUIRED_FIELDS if f not in d]
+        if missing:
+            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+        for key, want in _DREAM_REQUIRED_VALUES.items():
+            if key in d and d[key] is not None and d[key] != want:
+                raise ConfigError(f"{source}: unsupported {key}={d[key]!r} (this implementation needs {want!r})")
+        if d.get("rope_scaling"):
+            raise ConfigError(f"{source}: unsupported rope_scaling={d['rope_scaling']!r} (plain RoPE only)")
+
+        def one_id(v):
+            return int(v[0]) if isinstance(v, (list, tuple)) and v else (None if v is None else int(v))
+
+        pad = one_id(d.get("pad_token_id"))
+        pad = 151643 if pad is None else pad
+        eos = one_id(d.get("eos_token_id"))
+        if eos is None and generation:
+            eos = one_id(generation.get("eos_token_id"))
+        mask = one_id(d.get("mask_token_id"))
+        n_heads = int(d["num_attention_heads"])
+        vocab = int(d["vocab_size"])
+        cfg = cls(
+            d_model=int(d["hidden_size"]), n_heads=n_heads,
+            n_kv_heads=int(d.get("num_key_value_heads") or n_heads), n_layers=int(d["num_hidden_layers"]),
+            mlp_hidden_size=int(d["intermediate_size"]), vocab_size=vocab, embedding_size=vocab,
+            mask_token_id=151666 if mask is None else mask, eos_token_id=pad if eos is None else eos,
+            pad_token_id=pad, max_sequence_length=int(d.get("max_position_embeddings") or 32768),
+            rope_theta=float(d.get("rope_theta", 10000.0)), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            include_qkv_bias=True, family="dream")
+        cfg.validate(source)
+        return cfg
 
     def validate(self, source: str = "config") -> None:
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size"):
@@ -128,6 +186,17 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         """The HF ``config.json`` fields this config was read from (enough to load it again)."""
+        if self.family == "dream":
+            return {
+                "architectures": ["DreamModel"], "model_type": "Dream", "hidden_act": "silu",
+                "hidden_size": self.d_model, "num_attention_heads": self.n_heads,
+                "num_key_value_heads": self.n_kv_heads, "num_hidden_layers": self.n_layers,
+                "intermediate_size": self.mlp_hidden_size, "vocab_size": self.vocab_size,
+                "mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id,
+                "pad_token_id": self.pad_token_id, "max_position_embeddings": self.max_sequence_length,
+                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps, "rope_scaling": None,
+                "tie_word_embeddings": False,
+            }
         return {
             "architectures": ["LLaDAModelLM"], "model_type": "llada",
             "activation_type": "silu", "alibi": False, "attention_layer_norm": False, "block_group_size": 1,
@@ -142,69 +211,147 @@ class ModelConfig:
         }
 
 
-Cache = Literal["none", "prefix", "dual"]
+class Mode(str, enum.Enum):
+    """A configuration mode: a string enum (``Decoder("polestar") == "polestar"``) whose member names are
+    its values, so it hashes, prints and serialises as the plain string. Configs accept either form and
+    store the enum (:func:`as_mode`)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @classmethod
+    def choices(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class Decoder(Mode):
+    llada = "llada"
+    fastdllm = "fastdllm"
+    polestar = "polestar"
+
+
+class Cache(Mode):
+    none = "none"
+    prefix = "prefix"
+    dual = "dual"
+
+
+class Remasking(Mode):
+    low_confidence = "low_confidence"
+    random = "random"
+
+
+class Kernels(Mode):
+    auto = "auto"
+    pallas = "pallas"
+    interpret = "interpret"
+    reference = "reference"
+
+
+class OffloadHidden(Mode):
+    none = "none"
+    int8 = "int8"
+    bf16 = "bf16"
+
+
+def as_mode(cls: type[Mode], value: Any, what: str) -> Mode:
+    """``value`` as a member of ``cls``; a one-line :class:`ConfigError` naming ``what`` otherwise."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise ConfigError(f"unknown {what} {value!r} (choose from {', '.join(cls.choices())})") from None
+
+
 Rule = Literal["fixed", "threshold", "factor"]
 
-DECODERS = ("llada", "fastdllm", "polestar")
-CACHES = ("none", "prefix", "dual")
-REMASKING = ("low_confidence", "random")
+DECODERS = Decoder.choices()
+CACHES = Cache.choices()
+REMASKING = Remasking.choices()
+
+
+def knob(default, help: str, flag: Optional[str] = None, aliases: tuple[str, ...] = (), **extra):
+    """A config field that is also a command-line flag: ``help`` is its one-line description (the CLI adds
+    the default), ``flag`` its name (default: ``--field-name``), ``aliases`` documented other spellings;
+    ``extra`` may hold ``choices``, ``cli_default`` (the CLI's default where it differs from the API's),
+    ``negate`` (a bool field's ``--no-...`` flag) and ``none`` (the string 'none' means None)."""
+    meta = {"help": help, "flag": flag, "aliases": tuple(aliases), **extra}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: default, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+#: Drift/refresh kernel implementations (:attr:`PolestarConfig.kernels`).
+KERNELS = Kernels.choices()
+#: Storage modes of Polestar's hidden-state store (:attr:`PolestarConfig.offload_hidden`).
+OFFLOAD_HIDDEN = OffloadHidden.choices()
 
 
 @dataclasses.dataclass(frozen=True)
 class PolestarConfig:
     """The knobs of Polestar-Cache and Polestar-Commit; defaults equal the official PyTorch code.
 
-    Cache (refresh of stale cached hidden states):
-      n_clusters      total k-means clusters per layer, split between the prefix and suffix windows
-                      (prefix gets ``min(n-1, max(1, n * pre_len // (pre_len + suf_len)))``).
-      prefix_blocks   prefix window = this many block lengths before the block.
-      suffix_blocks   suffix window = this many block lengths after the block.
-      kmeans_iters    k-means iterations (cosine assignment, raw-mean centroids).
-      top_k           clusters refreshed per layer; ``top_k_last`` at the last layer.
-      windowed_period every ``windowed_period``-th block (b % period == period - 1) starts with a pass over
-                      the window only instead of a full pass (0: always a full pass).
-      trigger_commits a decode step refreshes when the previous step committed more than this many tokens,
-      trigger_accum   or when the commits since the last refresh exceed this.
-    Commit (early commit of converged tokens):
-      history         token-drift history length (delta = drift - mean of the history).
-      early_threshold tokens with ``early_threshold < conf < threshold`` and
-                      ``gate_scale * max(0, gate_center - conf)^2 <= delta < gate_max_delta`` commit early
-                      (None disables early commit).
-      suffix_precommit refreshed suffix rows (last layer's top cluster) whose prediction has confidence
-                      >= threshold are committed ahead of their block.
-    Implementation:
-      kernels         "auto" (Pallas on GPU/TPU, the jnp reference on CPU), "pallas", "interpret" (the
-                      Pallas kernels in the interpreter: slow, for tests) or "reference".
-      offload_hidden  how the refresh rows' stored hidden states are kept: "none" (model dtype, device
-                      memory: exact), "int8" (symmetric int8 with one float32 scale per row) or "bf16";
-                      "int8" and "bf16" live in host memory (``memory_kind="pinned_host"``) where the
-                      backend has it; a refresh moves only the rows it reads to the device.
-      refresh_buckets a refresh stage runs over the smallest of the widths 0, ceil(R / q), ceil(2R / q), ..., R
-                      (``q`` = this, ``R`` = window rows) that holds every batch row's selected rows: more
-                      buckets, fewer rows gathered, computed and moved, more compiled branches. The result
-                      never depends on it (see :mod:`polestar_jax.refresh`); 1: always all rows.
+    Each field's ``help`` (see :func:`knob`) says what it does; ``python -m polestar_jax.generate --help``
+    prints the same text with the default. Settings that could not do what they say (a refresh of no
+    cluster, more clusters than window rows, an early-commit band that is empty) raise :class:`ConfigError`;
+    the checks that need the block length are in :meth:`DecodeConfig.validate`.
     """
 
-    n_clusters: int = 8
-    prefix_blocks: int = 2
-    suffix_blocks: int = 1
-    kmeans_iters: int = 5
-    top_k: int = 4
-    top_k_last: int = 1
-    windowed_period: int = 4
-    trigger_commits: int = 1
-    trigger_accum: int = 2
-    history: int = 5
-    early_threshold: Optional[float] = 0.7
-    gate_center: float = 0.9
-    gate_scale: float = 10.0
-    gate_max_delta: float = 2.0
-    suffix_precommit: bool = True
-    kernels: str = "auto"
-    offload_hidden: str = "none"
-    refresh_buckets: int = 4
+    n_clusters: int = knob(8, "k-means clusters per layer, split between the prefix and suffix windows "
+                              "(prefix: min(n-1, max(1, n*pre_rows // (pre_rows+suf_rows))))",
+                           flag="--clusters", aliases=("--n-clusters",))
+    prefix_blocks: int = knob(2, "prefix window = this many block lengths before the block")
+    suffix_blocks: int = knob(1, "suffix window = this many block lengths after the block")
+    kmeans_iters: int = knob(5, "k-means iterations (cosine assignment, raw-mean centroids)")
+    refresh: bool = knob(True, "Polestar-Cache: decode steps refresh the top-drift clusters of the window "
+                               "(off: the cached window is only recomputed at block starts)", negate="--no-refresh")
+    top_k: int = knob(4, "clusters refreshed per layer by a refresh step")
+    top_k_last: int = knob(1, "clusters refreshed at the last layer (their suffix rows feed the suffix commit)")
+    windowed_period: int = knob(4, "every n-th block (b % n == n-1) starts with a pass over the window only "
+                                   "instead of a full pass (0: always a full pass)")
+    trigger_commits: int = knob(1, "a decode step refreshes when the previous step committed more than this "
+                                   "many tokens")
+    trigger_accum: int = knob(2, "... or when the commits since the last refresh exceed this")
+    history: int = knob(5, "token-drift history length (delta = drift - mean of the history)")
+    early_threshold: Optional[float] = knob(
+        0.7, "Polestar-Commit: tokens with early_threshold < conf < threshold whose drift delta passes the "
+             "gate commit early ('none': off)", none=True)
+    gate_center: float = knob(0.9, "early-commit gate: gate = gate_scale * max(0, gate_center - conf)^2 <= delta")
+    gate_scale: float = knob(10.0, "early-commit gate scale (see --gate-center)")
+    gate_max_delta: float = knob(2.0, "early commit needs delta < this")
+    suffix_precommit: bool = knob(True, "refreshed suffix rows (the last layer's top cluster) whose prediction "
+                                        "has confidence >= threshold commit ahead of their block",
+                                  negate="--no-suffix-commit")
+    kernels: Kernels = knob("auto", "drift/refresh kernels: auto = Pallas on GPU/TPU and the jnp reference on "
+                                "CPU; pallas; interpret (Pallas interpreter, slow: for tests); reference",
+                        choices=KERNELS)
+    offload_hidden: OffloadHidden = knob("none", "where the refresh rows' stored hidden states live: none = exact, in "
+                                       "device memory; int8 (one float32 scale per row) or bf16 = in host "
+                                       "memory (pinned_host); a refresh moves only the rows it reads",
+                               choices=OFFLOAD_HIDDEN)
+    full_prefix_rows: Optional[int] = knob(None, "rows before the block clustered by a full-pass block start "
+                                                 "(default: prefix_blocks x block length; Dream's official code: 64)")
+    full_suffix_rows: Optional[int] = knob(None, "rows after the block clustered by a full-pass block start "
+                                                 "(default: suffix_blocks x block length; Dream's official code: 32)")
+    proxy_score: str = knob("heads", "cluster drift: heads = per-head proxy attention, KL averaged over heads "
+                                     "(LLaDA); mean = queries averaged over heads and keys over KV heads, one "
+                                     "softmax (Dream)", choices=("heads", "mean"))
+    patch_kv: str = knob("packet", "refresh K/V patch rows: packet = every row the previous layer recomputed "
+                                   "(LLaDA); clustered = only those clustered at this layer, as the hidden-state "
+                                   "patch (Dream)", choices=("packet", "clustered"))
+    tie_break: str = knob("lowest", "equal block confidences: lowest = the lower position ranks first; "
+                                    "shared_row = as lowest, except that of the two positions that share the "
+                                    "span's first logits row (a shifted family's block-only forward) the later "
+                                    "one ranks first (the official Dream code's choice)",
+                          choices=("lowest", "shared_row"))
+    refresh_buckets: int = knob(4, "a refresh computes and moves only the rows it selects, rounded up to one "
+                                   "of this many compiled sizes (more: less work per refresh, longer compile; "
+                                   "1: always every window row); tokens never depend on it")
 
     def __post_init__(self):
+        object.__setattr__(self, "kernels", as_mode(Kernels, self.kernels, "Polestar kernels"))
+        object.__setattr__(self, "offload_hidden", as_mode(OffloadHidden, self.offload_hidden, "offload_hidden"))
         self.validate()
 
     def validate(self) -> None:
@@ -212,29 +359,66 @@ class PolestarConfig:
             if not cond:
                 raise ConfigError(f"invalid Polestar setting: {msg}")
 
-        need(self.offload_hidden in OFFLOAD_HIDDEN,
-             f"offload_hidden must be one of {', '.join(OFFLOAD_HIDDEN)}, got {self.offload_hidden!r}")
-
         need(isinstance(self.refresh_buckets, int) and self.refresh_buckets >= 1,
              f"refresh_buckets must be an integer >= 1, got {self.refresh_buckets!r}")
         need(self.n_clusters >= 2, f"n_clusters must be >= 2, got {self.n_clusters}")
         need(self.prefix_blocks >= 1, f"prefix_blocks must be >= 1, got {self.prefix_blocks}")
         need(self.suffix_blocks >= 0, f"suffix_blocks must be >= 0, got {self.suffix_blocks}")
         need(self.kmeans_iters >= 1, f"kmeans_iters must be >= 1, got {self.kmeans_iters}")
-        need(self.top_k >= 0 and self.top_k_last >= 0, "top_k and top_k_last must be >= 0")
+        need(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k} (to switch the refresh off use "
+                              "refresh=False, --no-refresh)")
+        need(self.top_k_last >= 0, f"top_k_last must be >= 0, got {self.top_k_last}")
+        need(self.top_k <= self.n_clusters,
+             f"top_k {self.top_k} is larger than the number of clusters {self.n_clusters}")
+        need(self.top_k_last <= self.n_clusters,
+             f"top_k_last {self.top_k_last} is larger than the number of clusters {self.n_clusters}")
         need(self.windowed_period == 0 or self.windowed_period >= 2,
              f"windowed_period must be 0 (never) or >= 2, got {self.windowed_period}")
         need(self.trigger_commits >= 0 and self.trigger_accum >= 0, "refresh triggers must be >= 0")
         need(self.history >= 1, f"history must be >= 1, got {self.history}")
-        need(self.early_threshold is None or 0.0 <= self.early_threshold <= 1.0,
-             f"early_threshold must be in [0, 1] or None, got {self.early_threshold}")
+        need(self.early_threshold is None or 0.0 <= self.early_threshold < 1.0,
+             f"early_threshold must be in [0, 1) or None, got {self.early_threshold}")
         need(self.gate_scale >= 0, f"gate_scale must be >= 0, got {self.gate_scale}")
-        need(self.kernels in ("auto", "pallas", "interpret", "reference"),
-             f"kernels must be auto, pallas, interpret or reference, got {self.kernels!r}")
+        need(self.gate_max_delta > 0, f"gate_max_delta must be > 0 (else early commit never fires), "
+                                      f"got {self.gate_max_delta}")
+        for name in ("full_prefix_rows", "full_suffix_rows"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, int) and v >= 0), f"{name} must be None or an integer >= 0, got {v!r}")
+        need(self.full_prefix_rows is None or self.full_prefix_rows >= 1,
+             "full_prefix_rows must be >= 1 (the prefix window is never empty by design)")
+        for name, allowed in (("proxy_score", ("heads", "mean")), ("patch_kv", ("packet", "clustered")),
+                              ("tie_break", ("lowest", "shared_row"))):
+            need(getattr(self, name) in allowed, f"unknown {name} {getattr(self, name)!r} "
+                                                 f"(choose from {', '.join(allowed)})")
+        if self.suffix_precommit:
+            need(self.refresh, "suffix_precommit commits refreshed suffix rows, so it needs refresh=True "
+                               "(or turn it off: --no-suffix-commit)")
+            need(self.suffix_blocks >= 1, "suffix_precommit needs a suffix window (suffix_blocks >= 1)")
+            need(self.top_k_last >= 1, "suffix_precommit needs top_k_last >= 1 (it commits the last layer's "
+                                       "refreshed suffix rows)")
 
+    def window_rows(self, block_length: int) -> int:
+        """Rows of the refresh window (prefix + suffix) for blocks of ``block_length``: the rows the store
+        holds (the larger of the full-pass and the windowed-pass windows on each side)."""
+        return self.prefix_rows(block_length) + self.suffix_rows(block_length)
 
-#: Storage modes of Polestar's hidden-state store (:attr:`PolestarConfig.offload_hidden`).
-OFFLOAD_HIDDEN = ("none", "int8", "bf16")
+    def pass_window(self, block_length: int, windowed: bool) -> tuple[int, int]:
+        """(rows before, rows after) the block that a block start clusters: the windowed pass
+        ``prefix_blocks`` / ``suffix_blocks`` block lengths; a full pass ``full_prefix_rows`` /
+        ``full_suffix_rows`` when set, else the same."""
+        pre, suf = self.prefix_blocks * block_length, self.suffix_blocks * block_length
+        if windowed:
+            return pre, suf
+        return (pre if self.full_prefix_rows is None else self.full_prefix_rows,
+                suf if self.full_suffix_rows is None else self.full_suffix_rows)
+
+    def prefix_rows(self, block_length: int) -> int:
+        """Prefix rows of the store (the larger of the two block starts' prefix windows)."""
+        return max(self.pass_window(block_length, False)[0], self.pass_window(block_length, True)[0])
+
+    def suffix_rows(self, block_length: int) -> int:
+        """Suffix rows of the store (the larger of the two block starts' suffix windows)."""
+        return max(self.pass_window(block_length, False)[1], self.pass_window(block_length, True)[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,23 +434,42 @@ class DecodeConfig:
       neither, the fixed schedule; ``cache`` ``none`` / ``prefix`` / ``dual``.
     """
 
-    decoder: str = "fastdllm"
-    cache: str = "dual"
-    gen_length: int = 128
-    block_length: int = 32
-    steps: Optional[int] = None  # default: gen_length
-    threshold: Optional[float] = 0.9
-    factor: Optional[float] = None
-    temperature: float = 0.0
-    remasking: str = "low_confidence"
+    decoder: Decoder = knob("fastdllm", "llada (fixed tokens per forward), fastdllm (threshold/factor rules, "
+                                    "caches) or polestar (dual cache + Polestar-Cache/Commit)",
+                        choices=DECODERS, cli_default="polestar")
+    cache: Cache = knob("dual", "KV cache: none, prefix or dual (llada: none only; polestar: dual only)",
+                      choices=CACHES, cli_default=None)
+    gen_length: int = knob(128, "tokens to generate", cli_default=None)
+    block_length: int = knob(32, "tokens per block (decoded left to right)", cli_default=None)
+    steps: Optional[int] = knob(None, "forwards of the fixed schedule over the whole generation (llada, or "
+                                      "fastdllm with --threshold none; default: gen length)")
+    threshold: Optional[float] = knob(0.9, "confidence threshold (fastdllm and polestar): each forward commits "
+                                           "its most confident token and every token with conf >= threshold "
+                                           "('none': the fixed schedule)", none=True)
+    factor: Optional[float] = knob(None, "Fast-dLLM's dynamic factor rule instead of a threshold (fastdllm)")
+    temperature: float = knob(0.0, "Gumbel-max sampling temperature (0: argmax); keyed by --seed and the row")
+    remasking: Remasking = knob("low_confidence", "which tokens commit first: low_confidence (the most confident) or "
+                                            "random (random confidences; not for polestar)", choices=REMASKING)
     # Fast-dLLM (prefix/dual cache) runs its step loop at least once after the block's full forward, even
     # when that forward filled the block; Polestar's port of the same loop checks for masks first.
     step_after_full_pass: bool = True
+    # What the start forward of the cached variants commits: "rule" (Fast-dLLM: the commit rule over the
+    # block) or "first" (Dream's dual-cache loop: only the block's first position, unconditionally).
+    start_commit: str = "rule"
+    # The fixed rule (threshold=None, factor=None): its schedule, "even" (LLaDA's get_num_transfer_tokens) or
+    # "timesteps" (Dream: int(n * (1 - s/t)) of the n masks left, t, s consecutive points of
+    # linspace(1, schedule_eps, steps_per_block + 1); all of them from the last step of the block on), and its
+    # ranking, "confidence" or "neg_entropy" (sum p log(p + 1e-10), Dream's alg="entropy").
+    schedule: str = "even"
+    rank_by: str = "confidence"
+    schedule_eps: float = 1e-3
     polestar: PolestarConfig = dataclasses.field(default_factory=PolestarConfig)
 
     def __post_init__(self):
         if self.steps is None:
             object.__setattr__(self, "steps", self.gen_length)
+        for name, cls in (("decoder", Decoder), ("cache", Cache), ("remasking", Remasking)):
+            object.__setattr__(self, name, as_mode(cls, getattr(self, name), name))
         self.validate()
 
     @property
@@ -286,12 +489,6 @@ class DecodeConfig:
         return self.steps // self.num_blocks
 
     def validate(self) -> None:
-        if self.decoder not in DECODERS:
-            raise ConfigError(f"unknown decoder {self.decoder!r} (choose from {', '.join(DECODERS)})")
-        if self.cache not in CACHES:
-            raise ConfigError(f"unknown cache {self.cache!r} (choose from {', '.join(CACHES)})")
-        if self.remasking not in REMASKING:
-            raise ConfigError(f"unknown remasking {self.remasking!r} (choose from {', '.join(REMASKING)})")
         if self.gen_length <= 0 or self.block_length <= 0:
             raise ConfigError("gen length and block length must be positive")
         if self.gen_length % self.block_length:
@@ -306,14 +503,45 @@ class DecodeConfig:
             raise ConfigError(f"factor must be positive, got {self.factor}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        for name, allowed in (("start_commit", ("rule", "first")), ("schedule", ("even", "timesteps")),
+                              ("rank_by", ("confidence", "neg_entropy"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unknown {name} {getattr(self, name)!r} (choose from {', '.join(allowed)})")
+        if (self.schedule != "even" or self.rank_by != "confidence") and (self.rule != "fixed"
+                                                                            or self.decoder != "fastdllm"):
+            raise ConfigError("schedule / rank_by apply to decoder 'fastdllm' with the fixed rule (threshold none)")
+        if self.start_commit != "rule" and (self.decoder != "fastdllm" or self.cache == "none"):
+            raise ConfigError("start_commit 'first' applies to decoder 'fastdllm' with a cache (prefix or dual)")
+        if not 0.0 < self.schedule_eps < 1.0:
+            raise ConfigError(f"schedule_eps must be in (0, 1), got {self.schedule_eps}")
+        if self.decoder != "polestar" and self.polestar != PolestarConfig():
+            raise ConfigError(f"Polestar settings apply to decoder 'polestar' only (decoder is {self.decoder!r})")
         if self.decoder == "polestar":
-            if self.cache != "dual":
-                raise ConfigError("decoder 'polestar' runs on the dual cache (use --cache dual)")
-            if self.threshold is None or self.factor is not None:
-                raise ConfigError("decoder 'polestar' needs a confidence threshold (and no factor rule)")
+            self._validate_polestar()
         if self.decoder == "llada":
             if self.cache != "none":
                 raise ConfigError("decoder 'llada' has no cache (use --cache none or decoder fastdllm)")
             if self.threshold is not None or self.factor is not None:
                 raise ConfigError("decoder 'llada' commits a fixed number of tokens per step; "
                                   "threshold/factor belong to decoder 'fastdllm'")
+
+    def _validate_polestar(self) -> None:
+        pc, B = self.polestar, self.block_length
+        if self.cache != "dual":
+            raise ConfigError("decoder 'polestar' runs on the dual cache (use --cache dual)")
+        if self.threshold is None or self.factor is not None:
+            raise ConfigError("decoder 'polestar' needs a confidence threshold (and no factor rule)")
+        if self.remasking != "low_confidence":
+            raise ConfigError("decoder 'polestar' supports remasking low_confidence only (its commit gates "
+                              "are defined on the model's confidence)")
+        rows = pc.window_rows(B)
+        if pc.n_clusters > rows:
+            raise ConfigError(f"invalid Polestar setting: n_clusters {pc.n_clusters} is larger than the window "
+                              f"rows {rows} ((prefix_blocks + suffix_blocks) x block length {B})")
+        if pc.refresh_buckets > rows:
+            raise ConfigError(f"invalid Polestar setting: refresh_buckets {pc.refresh_buckets} is larger than "
+                              f"the window rows {rows} (a bucket holds at least one row)")
+        if pc.early_threshold is not None and pc.early_threshold >= self.threshold:
+            raise ConfigError(f"invalid Polestar setting: early_threshold {pc.early_threshold} is not below the "
+                              f"threshold {self.threshold}, so early commit could never fire (use none to "
+                              "switch it off)")

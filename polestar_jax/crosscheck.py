@@ -1,6 +1,6 @@
 """Replays reference data produced by the PyTorch code and reports where JAX agrees.
 
-``python -m polestar_jax.crosscheck DIR [DIR ...]`` accepts two folder formats:
+``python -m polestar_jax.crosscheck DIR [DIR ...]`` accepts three folder formats:
 
 * **LLaDA / Fast-dLLM format**: ``config.json`` + ``model.safetensors`` + ``cases.json`` with
   ``logits_cases`` (logits, optionally per-layer hidden states, compared within ``1e-4 + 1e-4*|ref|``)
@@ -14,19 +14,33 @@
   output ids, NFE and ``block_stats`` must match, and the replay reports how often this implementation's
   own cluster choice differed from the injected one, and by what score margin.
 
+* **Dream format** (``config.json`` with ``model_type`` "Dream", made by the official Polestar Dream code):
+  ``cases.json`` with raw ``logits_cases`` (the hidden states of ``meta.hidden_states_file`` are checked
+  with the case of the same input) and ``generate_cases`` named ``method/p<i>/g<gen>_b<block>_s<steps>``
+  (``dual_nocluster_thr``, ``dual_nocluster_sched``, ``plain_thr``, ``polestar``, ``polestar_noearly``): output
+  ids, NFE and the commits of every forward must match exactly; Polestar cases take the k-means draws,
+  labels and cluster selections from their ``trace`` / ``decisions`` files, decide the structural ties by
+  rule (``PolestarConfig.tie_break``) and must match ``block_stats`` too; the detail reports the own
+  cluster choices and how the structural ties were decided. A case that cannot run is a failure.
+
 The last line is ``N passed, M failed[, K skipped]``; the exit status is 1 when anything failed and 2 for
 bad input (missing folder, unreadable files).
 """
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # first of all: Ctrl-C from here on ends cleanly (polestar_jax.cli takes over)
+    import os as _os
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, lambda *_: (_os.write(2, b"interrupted\n"), _os._exit(130)))
+
 import dataclasses
 import glob
 import json
 import os
 import re
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -98,7 +112,7 @@ def decode_config_for_case(case: dict):
 
 
 def _check_generation(name, result, row, prompt_len, want_generated, want_nfe, want_trajectory=None,
-                      want_cpf=None, want_block_nfe=None) -> CaseResult:
+                      want_cpf=None, want_block_nfe=None, exact_trajectory: bool = False) -> CaseResult:
     got = result.tokens[row].tolist()
     ours_traj = [[(prompt_len + p, t) for p, t in step] for step in result.trajectory(row)]
     problems = []
@@ -111,7 +125,7 @@ def _check_generation(name, result, row, prompt_len, want_generated, want_nfe, w
         problems.append("commits per forward differ")
     if want_block_nfe is not None and result.block_nfe[row].tolist() != list(want_block_nfe):
         problems.append(f"block nfe {result.block_nfe[row].tolist()} vs reference {list(want_block_nfe)}")
-    if problems and want_trajectory is not None:
+    if (problems or exact_trajectory) and want_trajectory is not None:
         where = first_divergence(ours_traj, want_trajectory)
         if where:
             problems.append(where)
@@ -315,12 +329,223 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
     return results
 
 
+# ---------------------------------------------------------------------------------------- Dream format
+def family_logits(params, ids, cfg, collect_hidden: bool = False):
+    """Raw (unshifted) logits [b, L, V] of a plain forward over ``ids`` [b, L] with the model's family, and
+    (``collect_hidden``) the hidden states [N+1, b, L, D]: every layer's input, then the final norm's output."""
+    import jax.numpy as jnp
+
+    from polestar_jax import model
+    from polestar_jax.family import family_of
+
+    fam = family_of(cfg)
+    b, length = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    out = fam.forward(params, ids, cfg, pos, pos, None, collect_hidden=collect_hidden)
+    logits = fam.lm_head(params, out.h, cfg)
+    if not collect_hidden:
+        return logits, None
+    final = model.rms_norm(out.h, params["ln_f"], cfg.rms_norm_eps)
+    return logits, jnp.concatenate([out.hidden, final[None]], axis=0)
+
+
+def dream_decode_config(case: dict, kernels: str = "auto", refresh_buckets: Optional[int] = None):
+    """The :class:`DecodeConfig` that reproduces one Dream ``generate_cases`` entry (the official
+    ``diffusion_generate`` settings; see ``docs/algorithm.md#dream``); raises :class:`PolestarError` for a
+    setting that draws torch random numbers or that the official code cannot run."""
+    from polestar_jax.config import DecodeConfig
+
+    s, method = case["settings"], case.get("method", "")
+    if float(s.get("temperature", 0.0)) != 0.0:
+        raise PolestarError("temperature > 0 draws torch random numbers; cannot replay")
+    gen, block, steps = int(s["gen_length"]), int(s["block_length"]), int(s["steps"])
+    common = dict(gen_length=gen, block_length=block, steps=steps)
+    alg = s.get("alg")
+    if not s.get("dual_cache"):
+        if alg != "confidence_threshold":
+            raise PolestarError(f"no-cache alg {alg!r}: the official sampler crashes (J7) or draws torch "
+                                "random numbers (origin); cannot replay")
+        return DecodeConfig(decoder="fastdllm", cache="none", threshold=s.get("threshold", 0.9), **common)
+    if s.get("use_cluster"):
+        return DecodeConfig(decoder="polestar", cache="dual", threshold=s.get("threshold", 0.9),
+                            polestar=dream_polestar_config(s.get("threshold_early"), kernels, refresh_buckets),
+                            **common)
+    if alg == "confidence_threshold":
+        return DecodeConfig(decoder="fastdllm", cache="dual", threshold=s.get("threshold", 0.9),
+                            step_after_full_pass=False, start_commit="first", **common)
+    if alg == "entropy" and not s.get("alg_temp"):
+        return DecodeConfig(decoder="fastdllm", cache="dual", threshold=None, step_after_full_pass=False,
+                            start_commit="first", schedule="timesteps", rank_by="neg_entropy",
+                            schedule_eps=float(s.get("eps", 1e-3)), **common)
+    raise PolestarError(f"unsupported Dream method {method!r} (alg {alg!r})")
+
+
+def dream_polestar_config(threshold_early, kernels: str = "auto", refresh_buckets: Optional[int] = None):
+    """The :class:`PolestarConfig` of the official Dream Polestar path: the Dream family's Polestar
+    parameters, ``threshold_early`` as given, and the suffix pre-commit off (the official one writes into a
+    copy, so it never takes effect: faithful mode, docs/differences.md#d26)."""
+    from polestar_jax.family import FAMILIES
+
+    knobs = {} if refresh_buckets is None else {"refresh_buckets": refresh_buckets}
+    return FAMILIES["dream"].polestar_config(early_threshold=threshold_early, suffix_precommit=False,
+                                             kernels=kernels, **knobs)
+
+
+def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
+                        progress: Callable[[CaseResult], None] = lambda r: None, batch: int = 1,
+                        mesh=None, kernels: str = "auto", refresh_buckets: Optional[int] = None) -> list[CaseResult]:
+    """Replays a Dream golden folder (``cases.json`` made by the official Dream code): every logits case
+    (raw rows; the hidden states with the case whose input they were computed on) and every generate case
+    (output ids, NFE and the commits of every forward must match exactly), ``batch`` cases of one setting
+    at a time."""
+    import jax.numpy as jnp
+
+    from polestar_jax.engine import generate
+
+    data = _read_json(os.path.join(folder, "cases.json"))
+    meta = data.get("meta", {})
+    results: list[CaseResult] = []
+
+    def add(r: CaseResult):
+        results.append(r)
+        progress(r)
+
+    hs_file, hs_input = meta.get("hidden_states_file"), meta.get("hidden_states_input")
+    hs_done = hs_file is None
+    for case in data.get("logits_cases", []):
+        name = f"logits/{case.get('name') or os.path.splitext(case['file'])[0]}"
+        try:
+            ref = np.load(os.path.join(folder, case["file"]))
+            with_hs = not hs_done and case["input_ids"] == hs_input
+            ids = jnp.asarray(np.asarray(case["input_ids"], np.int32))
+            out, hs = family_logits(params, ids, cfg, collect_hidden=with_hs)
+            used = _budget_used(np.asarray(out), ref)
+            detail, ok = f"max error {used:.0%} of tolerance", used <= 1.0
+            if with_hs:
+                hused = _budget_used(np.asarray(hs), np.load(os.path.join(folder, hs_file)))
+                detail += f"; hidden states {hused:.0%}"
+                ok, hs_done = ok and hused <= 1.0, True
+            add(CaseResult(name, "pass" if ok else "fail", detail))
+        except (OSError, KeyError, ValueError) as e:
+            add(CaseResult(name, "fail", f"cannot replay: {e}"))
+    if not hs_done:
+        try:
+            ids = jnp.asarray(np.asarray(hs_input, np.int32))
+            hused = _budget_used(np.asarray(family_logits(params, ids, cfg, True)[1]),
+                                 np.load(os.path.join(folder, hs_file)))
+            add(CaseResult("hidden_states", "pass" if hused <= 1.0 else "fail", f"max error {hused:.0%}"))
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            add(CaseResult("hidden_states", "fail", f"cannot replay: {e}"))
+
+    gen_cases = data.get("generate_cases", [])
+    slot = None
+    if gen_cases:
+        slot = -(-max(len(c["prompt_ids"]) for c in gen_cases) // pad_multiple) * pad_multiple
+    groups: dict = {}
+    for case in gen_cases:
+        try:
+            dcfg = dream_decode_config(case, kernels, refresh_buckets)
+        except PolestarError as e:  # a case that cannot run is a failure, not a skip
+            add(CaseResult(case.get("name", "?"), "fail", f"cannot replay: {e}"))
+            continue
+        groups.setdefault(dcfg, []).append(case)
+    for dcfg, cases in groups.items():
+        for i in range(0, len(cases), batch):
+            chunk = cases[i:i + batch]
+            try:
+                replay_in = None
+                if dcfg.decoder == "polestar":
+                    replay_in = dream_replay(folder, chunk, cfg, dcfg)
+                res = generate(params, cfg, [c["prompt_ids"] for c in chunk], dcfg, prompt_slot=slot,
+                               replay=replay_in, mesh=mesh)
+            except PolestarError as e:
+                for case in chunk:
+                    add(CaseResult(case.get("name", "?"), "fail", f"cannot replay: {e}"))
+                continue
+            for r, case in enumerate(chunk):
+                if dcfg.decoder == "polestar":
+                    add(_check_dream_polestar_case(case, res, r))
+                    continue
+                add(_check_generation(case.get("name", "?"), res, r, len(case["prompt_ids"]),
+                                      case["generated_ids"], case["nfe"], case.get("trajectory"),
+                                      case.get("margins", {}).get("commits_per_forward"), exact_trajectory=True))
+    return results
+
+
+def dream_replay(folder: str, cases: list, cfg, dcfg):
+    """The :class:`~polestar_jax.draws.Replay` of Dream Polestar cases (one row per case): the k-means draws
+    and labels and the per-layer cluster selections of each case's ``trace`` / ``decisions`` files. The
+    structural ties (J2) are not injected: ``PolestarConfig.tie_break="shared_row"`` decides them."""
+    import jax.numpy as jnp
+
+    from polestar_jax.replay import build_replay
+
+    reps = []
+    for case in cases:
+        if not case.get("trace") or not case.get("decisions"):
+            raise PolestarError(f"{case.get('name', '?')}: no trace / decisions file named")
+        trace = _read_json(os.path.join(folder, case["trace"]))
+        trace = trace.get("trace", trace)
+        decisions = _read_json(os.path.join(folder, case["decisions"]))
+        reps.append(build_replay(trace, decisions, cfg, dcfg.polestar, dcfg.block_length,
+                                 dcfg.num_blocks * (dcfg.block_length + 1)))
+    return type(reps[0])(*(jnp.concatenate(a, axis=0) for a in zip(*reps)))
+
+
+def structural_tie_agreement(case: dict, res, row: int) -> tuple[int, int]:
+    """(structural ties of ``case``, those decided as the official code decided them): the J2 ties between
+    block positions 0 and 1 (``structural_ties`` in ``cases.json``); a tie counts as agreeing when this run
+    committed, at that forward, exactly the official (position, token) pairs (the rule's pick plus any early
+    commit)."""
+    ties = case.get("structural_ties") or []
+    p = len(case["prompt_ids"])
+    traj, ref = res.trajectory(row), case.get("trajectory") or []
+    agree = 0
+    for t in ties:
+        call = int(t["call"])
+        ours = sorted((p + j, tok) for j, tok in traj[call]) if call < len(traj) else None
+        want = sorted(map(tuple, ref[call])) if call < len(ref) else None
+        agree += ours is not None and ours == want
+    return len(ties), agree
+
+
+def _check_dream_polestar_case(case: dict, res, row: int) -> CaseResult:
+    """A Dream Polestar case: output ids, NFE, the commits of every forward and ``block_stats`` exactly; the
+    note says how often the own cluster choice differed from the injected one and how the structural ties
+    were decided."""
+    name = case.get("name", "?")
+    r = _check_generation(name, res, row, len(case["prompt_ids"]), case["generated_ids"], case["nfe"],
+                          case.get("trajectory"), case.get("margins", {}).get("commits_per_forward"),
+                          exact_trajectory=True)
+    keys = ("block_id", "block_nfe", "block0_true", "efficient_true", "cluster_true")
+    got_stats = [{k: s[k] for k in keys} for s in res.block_stats(row)]
+    want_stats = [{k: s[k] for k in keys} for s in case.get("block_stats", [])]
+    if got_stats != want_stats:
+        r.status = "fail"
+        r.detail = "; ".join(x for x in (r.detail, f"block_stats {got_stats} vs reference {want_stats}") if x)
+    n, diff, worst = selection_disagreements(res, row)
+    n_ties, agree = structural_tie_agreement(case, res, row)
+    note = (f"own cluster choice differed in {diff}/{n} layer decisions (max relative gap {worst:.1e}); "
+            f"structural ties decided as the official code: {agree}/{n_ties}")
+    r.detail = "; ".join(x for x in (r.detail, note) if x)
+    return r
+
+
+def _is_dream_folder(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f).get("model_type") == "Dream"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 def detect_format(folder: str) -> str:
-    if not os.path.isdir(folder):
-        raise PolestarError(f"folder not found: {folder}")
+    from polestar_jax.cli import need_folder
+
+    need_folder(folder, "golden folder")
     if os.path.isfile(os.path.join(folder, "cases.json")):
-        return "llada"
+        return "dream" if _is_dream_folder(folder) else "llada"
     if polestar_run_files(folder):
         return "polestar"
     raise PolestarError(f"{folder}: neither cases.json nor Polestar run files (*_<method>_g*_b*_s*.json)")
@@ -336,26 +561,29 @@ def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: 
 
     jax.config.update("jax_default_matmul_precision", "highest")
     kind = detect_format(folder)
-    cfg, params = load_model(folder, dtype="float32")
+    # a Polestar folder only generates: with a mesh, each process loads just its shards; the other formats'
+    # logits cases run unsharded forwards on each process's first device, so they load the whole model
+    cfg, params = load_model(folder, dtype="float32", shardings=mesh if kind == "polestar" else None)
     if kind == "llada":
         return replay_llada_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
+    if kind == "dream":
+        return replay_dream_folder(folder, params, cfg, pad_multiple, progress, batch, mesh, kernels)
     return replay_polestar_folder(folder, params, cfg, pad_multiple, progress, batch, mesh, kernels)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (no usage dump)
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    from polestar_jax import cli
+    from polestar_jax.config import KERNELS
 
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = _Parser(prog="python -m polestar_jax.crosscheck", description=__doc__.split("\n")[0])
+    ap = cli.Parser(prog="python -m polestar_jax.crosscheck", description=__doc__.split("\n")[0])
     ap.add_argument("folders", nargs="+", metavar="DIR", help="folders in the golden format")
     ap.add_argument("--pad-multiple", type=int, default=16,
                     help="left-pad prompts to a multiple of this (exercises the key mask; 1 = no padding)")
     ap.add_argument("--batch", type=int, default=1, help="replay this many cases at a time (mixed lengths)")
-    ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "pallas", "interpret", "reference"],
+    ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4 (with several "
+                                                 "processes: over all their devices)")
+    cli.add_distributed_flags(ap)
+    ap.add_argument("--kernels", default="auto", choices=list(KERNELS),
                     help="Polestar's drift/refresh kernels (interpret: the Pallas kernels in the interpreter)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every case, not only failures")
     args = ap.parse_args(argv)
@@ -363,39 +591,39 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--pad-multiple must be >= 1")
     if args.batch < 1:
         ap.error("--batch must be >= 1")
-    try:
-        from polestar_jax import sharding
+    from polestar_jax import sharding
 
-        sharding.maybe_initialize_distributed()
-        mesh = sharding.mesh_or_none(args.mesh)
-    except PolestarError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cli.join_from_args(args)  # before anything uses a device
+    mesh = sharding.mesh_or_none(args.mesh)
+    # every process replays (and gets the same verdicts, so the same exit status); process 0 prints
+    say = print if sharding.is_leader() else (lambda *a, **k: None)
 
     def show(r: CaseResult):
         if r.status == "fail" or args.verbose or "cluster choice differed" in r.detail:
-            print(f"{r.status.upper():4s} {r.name}" + (f": {r.detail}" if r.detail else ""), flush=True)
+            say(f"{r.status.upper():4s} {r.name}" + (f": {r.detail}" if r.detail else ""), flush=True)
 
     all_results: list[CaseResult] = []
-    try:
-        for folder in args.folders:
-            detect_format(folder)
-        for folder in args.folders:
-            print(f"# {folder}", flush=True)
-            res = replay(folder, args.pad_multiple, show, args.batch, mesh, args.kernels)
-            skipped = [r for r in res if r.status == "skip"]
-            if skipped and not args.verbose:
-                reasons = sorted({r.detail for r in skipped})
-                print(f"  {len(skipped)} skipped: {'; '.join(reasons)}")
-            all_results += res
-    except PolestarError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for folder in args.folders:
+        detect_format(folder)
+    for folder in args.folders:
+        say(f"# {folder}", flush=True)
+        res = replay(folder, args.pad_multiple, show, args.batch, mesh, args.kernels)
+        skipped = [r for r in res if r.status == "skip"]
+        if skipped and not args.verbose:
+            reasons = sorted({r.detail for r in skipped})
+            say(f"  {len(skipped)} skipped: {'; '.join(reasons)}")
+        all_results += res
     n_pass = sum(r.status == "pass" for r in all_results)
     n_fail = sum(r.status == "fail" for r in all_results)
     n_skip = sum(r.status == "skip" for r in all_results)
-    print(f"{n_pass} passed, {n_fail} failed" + (f", {n_skip} skipped" if n_skip else ""))
+    say(f"{n_pass} passed, {n_fail} failed" + (f", {n_skip} skipped" if n_skip else ""))
     return 1 if n_fail else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from polestar_jax import cli
+
+    return cli.run_main(run, argv)
 
 
 if __name__ == "__main__":

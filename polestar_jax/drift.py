@@ -8,8 +8,10 @@
   clamped at 0 per head, averaged over heads. ``S_prev`` is the proxy attention of the last refresh (or of
   the block-start pass).
 
-The decode step calls the fused :func:`polestar_jax.kernels.kl_drift.kl_drift`; these functions are the same
-math on materialised probabilities (the block-start pass and tests use them).
+The decode step computes both KLs with the fused :func:`polestar_jax.kernels.kl_drift.kl_drift` (its
+``kl_drift_reference`` is the same math in plain jnp); the block-start pass stores the proxy attention of
+:func:`proxy_attention` as the first ``S_prev``. See ``docs/algorithm.md#token-drift`` and
+``#cluster-drift``.
 """
 from __future__ import annotations
 
@@ -20,50 +22,47 @@ import jax.numpy as jnp
 
 from polestar_jax import model as M
 from polestar_jax.config import ModelConfig
-from polestar_jax.kernels.kl_drift import kl_terms
 
 _NEG = -1e30
-
-
-def _head_mean_kl(p: jax.Array, pp: jax.Array, mode: str) -> jax.Array:
-    kl = jnp.sum(kl_terms(p.astype(jnp.float32), pp.astype(jnp.float32), mode), axis=-1)
-    return jnp.mean(jnp.maximum(kl, 0.0), axis=1)
-
-
-def token_drift(p_t: jax.Array, p_prev: jax.Array) -> jax.Array:
-    """p_t, p_prev: [b, H, T, L] attention probabilities -> drift [b, T] (float32)."""
-    return _head_mean_kl(p_t, p_prev, "token")
 
 
 def proxy_queries(lp: M.LayerParams, centroids: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Centroids as proxy queries: attention-normed and projected by W_q, no RoPE.
     centroids [b, K, D] -> [b, H, K, hd]."""
-    xn = M.rms_norm(centroids, lp["attn_norm"], cfg.rms_norm_eps)
-    b, k, _ = centroids.shape
-    return (xn @ lp["wq"]).reshape(b, k, cfg.n_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+    from polestar_jax.family import family_of
+
+    return family_of(cfg).project_q(lp, centroids, cfg)
+
+
+def proxy_inputs(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg: ModelConfig,
+                 mode: str = "heads") -> tuple[jax.Array, jax.Array]:
+    """The queries [b, H', K, hd] and keys [b, KV', L, hd] of the cluster proxy attention:
+    ``mode="heads"`` (LLaDA) the projected centroids and the cached keys per head (H' = H, KV' = KV);
+    ``"mean"`` (Dream) the queries averaged over the H heads and the keys over the KV heads (H' = KV' = 1),
+    so one softmax per cluster."""
+    q = proxy_queries(lp, centroids, cfg)
+    if mode == "mean":
+        return (jnp.mean(q.astype(jnp.float32), axis=1, keepdims=True).astype(q.dtype),
+                jnp.mean(k_unrot.astype(jnp.float32), axis=1, keepdims=True).astype(k_unrot.dtype))
+    return q, k_unrot
 
 
 def proxy_attention(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg: ModelConfig,
-                    key_valid: Optional[jax.Array]) -> jax.Array:
+                    key_valid: Optional[jax.Array], mode: str = "heads") -> jax.Array:
     """Attention of the centroids as queries against all cached keys.
 
     centroids [b, K, D]; k_unrot [b, KV, L, hd] (keys before RoPE); key_valid [b, L].
-    Returns S [b, H, K, L] float32.
+    Returns S [b, H', K, L] float32 (H' = H, or 1 for ``mode="mean"``: :func:`proxy_inputs`).
     """
     b, k, _ = centroids.shape
-    q = proxy_queries(lp, centroids, cfg)
-    kv = k_unrot.shape[1]
-    qg = q.reshape(b, kv, cfg.n_heads // kv, k, cfg.head_dim)
+    q, k_unrot = proxy_inputs(lp, centroids, k_unrot, cfg, mode)
+    kv, h = k_unrot.shape[1], q.shape[1]
+    qg = q.reshape(b, kv, h // kv, k, cfg.head_dim)
     s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k_unrot, preferred_element_type=jnp.float32)
     s = s / jnp.sqrt(jnp.float32(cfg.head_dim))
     if key_valid is not None:
         s = jnp.where(key_valid[:, None, None, None, :], s, _NEG)
-    return jax.nn.softmax(s, axis=-1).reshape(b, cfg.n_heads, k, -1)
-
-
-def cluster_drift(s: jax.Array, s_prev: jax.Array) -> jax.Array:
-    """s, s_prev: [b, H, K, L] -> per-cluster drift [b, K] (float32)."""
-    return _head_mean_kl(s, s_prev, "cluster")
+    return jax.nn.softmax(s, axis=-1).reshape(b, h, k, -1)
 
 
 def drift_delta(d: jax.Array, hist: jax.Array, fill: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
 """The public ``generate()`` API: prompts in, tokens and statistics out (no I/O, no CLI).
 
-The host loop runs over blocks only; each block is one compiled call (:func:`polestar_jax.step.run_block_jit`)
+The host loop runs over blocks only; each block is one compiled call of the block program
+(:func:`polestar_jax.block.decode_block`)
 dispatched asynchronously, so the host never waits for the device inside a generation; results are read
 once at the end.
 """
@@ -16,8 +17,9 @@ import numpy as np
 
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.state import DecodeState, init_state, padded_length
-from polestar_jax.step import EngineSpec, Knobs, run_block, run_block_jit
+from polestar_jax.block import EngineSpec, Knobs, decode_block, run_block_jit
+from polestar_jax.polestar_state import STAT_FIELDS
+from polestar_jax.state import DecodeState, init_decode_state, padded_length
 
 
 @dataclasses.dataclass
@@ -39,21 +41,22 @@ class GenerateResult:
     seconds: float
     compile_seconds: float = 0.0
     dispatch_seconds: float = 0.0  # host time spent enqueueing the blocks (the rest of `seconds` is device work)
-    polestar: Optional[dict] = None  # decoder "polestar": per-row stats arrays (see polestar_stats)
+    polestar: Optional[dict] = None  # decoder "polestar": per-row stats arrays (polestar_state.STAT_FIELDS)
     steps: Optional[list] = None  # decoder "polestar": per block, the StepOut buffer (numpy)
 
     def block_stats(self, row: int) -> list[dict]:
-        """Per processed block: ``block_id``, ``block_nfe`` and (Polestar) ``block0_true``,
-        ``efficient_true``, ``cluster_true``, as the PyTorch code reports them."""
+        """Per processed block: ``block_id``, ``block_nfe`` and (Polestar) the full pass, windowed pass and
+        refresh steps of the block, under the names of the PyTorch code's ``block_stats`` (``block0_true``,
+        ``efficient_true``, ``cluster_true``: the golden format)."""
         out = []
         for blk in range(self.block_nfe.shape[1]):
             if self.polestar is not None:
                 if not self.polestar["processed"][row, blk]:
                     continue
                 out.append({"block_id": blk, "block_nfe": int(self.block_nfe[row, blk]),
-                            "block0_true": int(self.polestar["block0"][row, blk]),
-                            "efficient_true": int(self.polestar["efficient"][row, blk]),
-                            "cluster_true": int(self.polestar["cluster_steps"][row, blk])})
+                            "block0_true": int(self.polestar["full_pass"][row, blk]),
+                            "efficient_true": int(self.polestar["windowed"][row, blk]),
+                            "cluster_true": int(self.polestar["refresh_steps"][row, blk])})
             else:
                 out.append({"block_id": blk, "block_nfe": int(self.block_nfe[row, blk])})
         return out
@@ -96,10 +99,10 @@ def compiled_block(params, state: DecodeState, knobs: Knobs, spec: EngineSpec, r
         # keep the state's sharding across blocks: outputs are constrained to the input layout
         from jax.sharding import NamedSharding, PartitionSpec
 
-        out = jax.eval_shape(lambda p, s, r: run_block(p, s, jnp.int32(0), knobs, r, spec), params, state, replay)
+        out = jax.eval_shape(lambda p, s, r: decode_block(p, s, jnp.int32(0), knobs, r, spec), params, state, replay)
         rep = NamedSharding(mesh, PartitionSpec())
         out_sh = (jax.tree.map(lambda a: a.sharding, state), jax.tree.map(lambda _: rep, out[1]))
-        jitted = jax.jit(run_block, static_argnames=("spec",), donate_argnames=("state",), out_shardings=out_sh)
+        jitted = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",), out_shardings=out_sh)
     fn = jitted.lower(params, state, jnp.int32(0), knobs, replay, spec).compile()
     _COMPILED[key] = fn
     return fn, time.perf_counter() - t0
@@ -139,7 +142,8 @@ def generate(
     mcfg: ModelConfig,
     prompts: Sequence[Sequence[int]],
     dcfg: DecodeConfig,
-    seed: int | Sequence[int] = 0,
+    seed: int = 0,
+    rows: Optional[Sequence[int]] = None,
     pad_multiple: int = 16,
     prompt_slot: Optional[int] = None,
     replay=None,
@@ -150,9 +154,12 @@ def generate(
     params:  the parameter pytree of :mod:`polestar_jax.model`.
     prompts: b token-id lists (any lengths); they are left-padded to ``prompt_slot`` (default: the longest
              rounded up to ``pad_multiple``), so prompts of one bucket share one compiled executable.
-    seed:    an int (row r uses seed + r) or one seed per row; keys the sampling noise and Polestar's
-             k-means draws.
-    replay:  (Polestar) a :class:`polestar_jax.polestar.Replay` of decisions taken from a PyTorch trace.
+    seed:    the job seed; keys the sampling noise and Polestar's k-means draws together with ``rows``.
+    rows:    each prompt's index in the job (default ``0..b-1``): prompt r's randomness is derived from
+             ``(seed, rows[r])`` only (:func:`polestar_jax.state.row_key_data`), so a prompt decodes the same
+             whatever batch or position it is decoded in; pass the global indices when a job is split
+             into batches.
+    replay:  (Polestar) a :class:`polestar_jax.draws.Replay` of decisions taken from a PyTorch trace.
     mesh:    a ``jax.sharding.Mesh`` with axes (data, model): parameters and state are sharded over it
              (see :mod:`polestar_jax.sharding`); None runs on the default device.
     """
@@ -160,28 +167,23 @@ def generate(
     slot = prompt_slot or padded_length([len(p) for p in prompts], pad_multiple)
     if slot < max(len(p) for p in prompts):
         raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
-    seeds = [seed + r for r in range(len(prompts))] if isinstance(seed, int) else list(seed)
+    rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
+    if len(rows) != len(prompts):
+        raise PolestarError(f"rows has {len(rows)} entries for {len(prompts)} prompts")
+    if not isinstance(seed, (int, np.integer)):
+        raise PolestarError(f"seed must be an integer, got {seed!r}")
     spec = EngineSpec.from_config(mcfg, dcfg)
     knobs = Knobs.from_config(dcfg)
     dtype = jax.tree.leaves(params)[0].dtype
-    state = init_state(prompts, mcfg, dcfg.gen_length, slot, dcfg.num_blocks, seeds, cache=dcfg.cache != "none", dtype=dtype)
-    if dcfg.decoder == "polestar":
-        from polestar_jax import polestar
-
-        state = state.replace(polestar=polestar.init_cache(mcfg, dcfg.polestar, len(prompts), state.x.shape[1],
-                                                           dcfg.block_length, dcfg.num_blocks, dtype))
+    place = None
     if mesh is not None:
         from polestar_jax import sharding
 
         params = sharding.shard(params, sharding.param_shardings(params, mesh))
-        state = sharding.shard(state, sharding.state_shardings(state, mesh))
+        place = lambda s: sharding.shard(s, sharding.state_shardings(s, mesh))
         if replay is not None:
             replay = sharding.shard(replay, sharding.state_shardings(replay, mesh))
-    if state.polestar is not None and dcfg.polestar.offload_hidden != "none":
-        from polestar_jax.offload import place_store
-
-        hs, hs_scale = place_store(state.polestar.hs, state.polestar.hs_scale, dcfg.polestar)
-        state = state.replace(polestar=state.polestar.replace(hs=hs, hs_scale=hs_scale))
+    state = init_decode_state(mcfg, dcfg, prompts, slot, seed=seed, rows=rows, dtype=dtype, place=place)
     fn, compile_seconds = compiled_block(params, state, knobs, spec, replay)
     t0 = time.perf_counter()
     steps = []
@@ -196,8 +198,7 @@ def generate(
     seconds = time.perf_counter() - t0
     pstats = None
     if pol is not None:
-        pstats = {k: np.asarray(getattr(pol, k)) for k in
-                  ("block0", "efficient", "cluster_steps", "processed", "early", "suffix")}
+        pstats = {k: np.asarray(getattr(pol, k)) for k in STAT_FIELDS}
     return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
                           nfe=np.asarray(nfe), block_nfe=np.asarray(bnfe), seconds=seconds,
                           compile_seconds=compile_seconds, dispatch_seconds=dispatch_seconds, polestar=pstats,

@@ -21,7 +21,7 @@ absolute positions on every forward.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -120,47 +120,80 @@ def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig) 
 
 
 class Rope(NamedTuple):
-    """RoPE tables for the queries ([b, T, hd]) and for all L keys ([b, L, hd])."""
+    """cos / sin tables of rotate-half RoPE for some rows: [b, T, hd] each (:func:`rope_tables`)."""
 
-    q_cos: jax.Array
-    q_sin: jax.Array
-    k_cos: jax.Array
-    k_sin: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+
+    @classmethod
+    def at(cls, positions: jax.Array, cfg: ModelConfig) -> "Rope":
+        return cls(*rope_tables(positions, cfg.head_dim, cfg.rope_theta))
+
+    def rotate(self, t: jax.Array) -> jax.Array:
+        return apply_rope(t, self.cos, self.sin)
 
 
-def layer_forward(
+class Keys(NamedTuple):
+    """A layer's keys and values over all L positions: un-rotated ``k`` / ``v`` [b, KV, L, hd] (what the
+    cache stores) and the rotated keys ``k_rot`` the queries attend to."""
+
+    k: jax.Array
+    v: jax.Array
+    k_rot: jax.Array
+
+
+class LayerOut(NamedTuple):
+    h: jax.Array  # [b, T, D] the layer output of the query rows
+    keys: Keys  # the keys / values the rows attended to (after this layer's write)
+    q_rot: jax.Array  # [b, H, T, hd] rotated queries
+    probs: Optional[jax.Array]  # [b, H, T, L] attention probabilities (float32) when asked for
+
+
+def layer(
     lp: LayerParams,
     h: jax.Array,
     cfg: ModelConfig,
-    rope: Rope,
+    q_rope: Rope,
+    k_rope: Rope,
     key_valid: Optional[jax.Array],
-    cache: Optional[tuple[jax.Array, jax.Array]] = None,
-    start: Any = 0,
-    write: Optional[jax.Array] = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One LLaDA block for query rows ``h`` [b, T, D] at positions ``start .. start+T-1``.
+    write: Optional[Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]] = None,
+    keys: Optional[Keys] = None,
+    return_probs: bool = False,
+) -> LayerOut:
+    """THE transformer layer, for query rows ``h`` [b, T, D] at RoPE tables ``q_rope``; every pass runs it
+    (full forward, cached steps, Polestar's block starts and refresh stages).
 
-    Without ``cache`` the rows are the whole sequence (T == L). With ``cache`` = (K, V) [b, KV, L, hd]
-    (un-rotated keys), the rows' fresh K/V replace the cached ones at ``[start, start+T)`` before attention
-    (Fast-dLLM's ``replace_position``); where ``write`` [b, T] is False the cached entry is kept instead.
-
-    Returns the layer output [b, T, D] and the K/V rows that were written ([b, KV, T, hd] each).
+    Keys: given as ``keys`` (already written, e.g. by an earlier refresh stage), or projected from ``h``:
+    without ``write`` the rows are the whole sequence (T == L); ``write(k, v)`` places the rows' fresh K/V
+    [b, KV, T, hd] into the cache and returns the layer's full K/V [b, KV, L, hd] (a slice update, a row
+    scatter, ...). Then the queries attend over all L keys (rotated with ``k_rope``) and the output
+    projection and SwiGLU MLP finish the layer.
     """
-    q, k, v = project_qkv(lp, h, cfg)
-    if cache is None:
-        k_all, v_all = k, v
-    else:
-        t = h.shape[1]
+    if keys is None:
+        k, v = project_kv(lp, h, cfg)
         if write is not None:
-            w = write[:, None, :, None]
+            k, v = write(k, v)
+        keys = Keys(k, v, k_rope.rotate(k))
+    q_rot = q_rope.rotate(project_q(lp, h, cfg))
+    att = attention(q_rot, keys.k_rot, keys.v, key_valid, return_probs=return_probs)
+    a, probs = att if return_probs else (att, None)
+    return LayerOut(finish_layer(lp, h, a, cfg), keys, q_rot, probs)
+
+
+def slice_write(cache: tuple[jax.Array, jax.Array], start: Any, mask: Optional[jax.Array] = None):
+    """A :func:`layer` ``write`` that puts the rows' K/V at ``[start, start + T)`` of ``cache`` (K, V)
+    [b, KV, L, hd] (Fast-dLLM's ``replace_position``); where ``mask`` [b, T] is False the cached entry is
+    kept."""
+
+    def write(k, v):
+        if mask is not None:
+            t, w = k.shape[2], mask[:, None, :, None]
             k = jnp.where(w, k, lax.dynamic_slice_in_dim(cache[0], start, t, axis=2))
             v = jnp.where(w, v, lax.dynamic_slice_in_dim(cache[1], start, t, axis=2))
-        k_all = lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=2)
-        v_all = lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=2)
-    qr = apply_rope(q, rope.q_cos, rope.q_sin)
-    kr = apply_rope(k_all, rope.k_cos, rope.k_sin)
-    h = finish_layer(lp, h, attention(qr, kr, v_all, key_valid), cfg)
-    return h, (k, v)
+        return (lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=2),
+                lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=2))
+
+    return write
 
 
 def embed(params: Params, ids: jax.Array) -> jax.Array:
@@ -178,7 +211,7 @@ class ForwardOut(NamedTuple):
     """Output of :func:`forward`."""
 
     h: jax.Array  # [b, T, D] last layer output (before ln_f)
-    kv: tuple[jax.Array, jax.Array]  # written K/V rows, stacked over layers: [N, b, KV, T, hd] each
+    kv: tuple[jax.Array, jax.Array]  # every layer's K/V after the write: [N, b, KV, L, hd] each
     hidden: Optional[jax.Array]  # [N, b, T, D] the input of every layer (when collect_hidden)
 
 
@@ -193,24 +226,25 @@ def forward(
     start: Any = 0,
     write: Optional[jax.Array] = None,
     collect_hidden: bool = False,
+    unroll: int | bool = 1,
 ) -> ForwardOut:
-    """All layers (under ``lax.scan``) for the query tokens ``ids`` [b, T] at RoPE positions ``q_pos`` [b, T].
+    """All layers (under ``lax.scan``, ``unroll`` as there) for the query tokens ``ids`` [b, T] at RoPE
+    positions ``q_pos`` [b, T].
 
     ``key_pos`` [b, L]: RoPE positions of all keys; ``key_valid`` [b, L]: False for padding.
     ``cache``: stacked (K, V) [N, b, KV, L, hd] or None (then T == L and the keys are the queries' own).
-    ``start``/``write``: where the rows' K/V go in the cache (see :func:`layer_forward`).
+    ``start``/``write``: where the rows' K/V go in the cache (see :func:`slice_write`).
     """
-    qc, qs = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
-    kc, ks = rope_tables(key_pos, cfg.head_dim, cfg.rope_theta)
-    rope = Rope(qc, qs, kc, ks)
+    q_rope, k_rope = Rope.at(q_pos, cfg), Rope.at(key_pos, cfg)
     h0 = embed(params, ids)
 
     def body(h, xs):
         lp, layer_cache = xs
-        h_out, kv = layer_forward(lp, h, cfg, rope, key_valid, layer_cache, start, write)
-        return h_out, (kv, h if collect_hidden else None)
+        w = None if layer_cache is None else slice_write(layer_cache, start, write)
+        out = layer(lp, h, cfg, q_rope, k_rope, key_valid, write=w)
+        return out.h, ((out.keys.k, out.keys.v), h if collect_hidden else None)
 
-    h, (kv, hidden) = lax.scan(body, h0, (params["blocks"], cache))
+    h, (kv, hidden) = lax.scan(body, h0, (params["blocks"], cache), unroll=unroll)
     return ForwardOut(h, kv, hidden)
 
 

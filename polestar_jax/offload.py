@@ -14,10 +14,10 @@ engine places the initial store there, and the jitted block keeps it there); ins
 pass moves each layer's encoded rows to the host as it produces them (``jax.device_put(x,
 jax.memory.Space.Host)`` inside the layer scan). A refresh step reads and writes only the rows it selects
 (:func:`fetch_rows`, :func:`write_rows`): the row gather / scatter runs on the host
-(``compute_on("device_host")``) and only the compacted rows -- at most one layer's ``R`` rows, usually fewer
-(see :mod:`polestar_jax.refresh`) -- cross to the device and back. XLA turns the placements into
-asynchronous host<->device copies that overlap the layer's compute (they are the
-``annotate_device_placement`` custom calls of the lowered module). Where the backend has no
+(``compute_on("device_host")``, through :func:`polestar_jax.compat.compute_on_host`) and only the compacted
+rows -- at most one layer's ``R`` rows, usually fewer (see :mod:`polestar_jax.refresh`) -- cross to the
+device and back. XLA turns the placements into asynchronous host<->device copies that overlap the layer's
+compute (they are the ``annotate_device_placement`` custom calls of the lowered module). Where the backend has no
 ``pinned_host`` memory the store stays in device memory, still quantised, with a warning, and the row
 gather / scatter kernels of :mod:`polestar_jax.kernels.refresh` read and write it in place.
 """
@@ -29,17 +29,15 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax.experimental.compute_on import compute_on
-
-from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.compat import compute_on_host
+from polestar_jax.config import PolestarConfig
 from polestar_jax.kernels.refresh import dequantize_rows, gather_rows, quantize_rows, scatter_rows
 
 HOST_MEMORY_KIND = "pinned_host"
 
 __all__ = ["HOST_MEMORY_KIND", "host_memory_available", "uses_host", "store_dtype", "encode", "decode",
-           "to_host", "fetch_rows", "write_rows", "place_store", "store_bytes"]
+           "to_host", "fetch_rows", "write_rows", "place_store"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,14 +82,14 @@ def to_host(x: jax.Array, pc: PolestarConfig) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Host) if uses_host(pc) else x
 
 
-@compute_on("device_host")
+@compute_on_host
 @jax.jit
 def _host_take(store: jax.Array, idx: jax.Array) -> jax.Array:
     """Runs on the host: rows ``idx`` [b, w] of ``store`` [b, R, ...] (host memory) -> [b, w, ...]."""
     return jax.vmap(lambda s, i: jnp.take(s, i, axis=0, mode="clip"))(store, idx)
 
 
-@compute_on("device_host")
+@compute_on_host
 @jax.jit
 def _host_put(store: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
     """Runs on the host: ``store`` [b, R, ...] with ``rows`` [b, w, ...] written at ``idx`` [b, w]
@@ -104,8 +102,8 @@ def fetch_rows(stored: jax.Array, scale: jax.Array, idx: jax.Array, valid: jax.A
     """Inside a jitted step: rows ``idx`` [b, w] of one layer's store (``stored`` [b, R, D], ``scale``
     [b, R]) decoded into ``dtype`` on the device, zero where not ``valid``: [b, w, D].
 
-    With a host store the gather runs on the host (``compute_on("device_host")``) and only the ``w``
-    gathered rows (and their scales) are copied to the device; otherwise the row gather kernel
+    With a host store the gather runs on the host (:func:`polestar_jax.compat.compute_on_host`) and only the
+    ``w`` gathered rows (and their scales) are copied to the device; otherwise the row gather kernel
     (:func:`polestar_jax.kernels.refresh.gather_rows`, int8 dequantisation fused) reads them in place."""
     if uses_host(pc):
         ih = jax.device_put(idx, jax.memory.Space.Host)
@@ -143,21 +141,16 @@ def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple
     return put(hs), put(hs_scale)
 
 
+def abstract_store(hs, hs_scale) -> tuple:
+    """:func:`place_store` for abstract arrays (``jax.ShapeDtypeStruct``): the store placed in host memory
+    where the backend has it, so an ahead-of-time compile sees the store where the engine puts it."""
+    if not host_memory_available():
+        return hs, hs_scale
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY_KIND)
+    put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
+    return put(hs), put(hs_scale)
+
+
 def _warn_no_host(backend: str) -> None:
     warnings.warn(f"backend {backend!r} has no '{HOST_MEMORY_KIND}' memory: the offloaded Polestar hidden "
                   "states stay in device memory (still in the offload dtype)", RuntimeWarning, stacklevel=3)
-
-
-def store_bytes(cfg: ModelConfig, pc: PolestarConfig, block: int, model_dtype="bfloat16",
-                batch: int = 1) -> dict[str, int]:
-    """Bytes of the hidden-state store for ``batch`` sequences: ``total`` (stored + scales), ``device``
-    (resident in device memory between refreshes), ``device_transient`` (the most a refresh moves to the
-    device at once when offloaded: one layer's rows) and ``host``."""
-    r = (pc.prefix_blocks + pc.suffix_blocks) * block
-    rows = cfg.n_layers * batch * r
-    item = np.dtype(store_dtype(pc, jnp.dtype(model_dtype))).itemsize
-    total = rows * cfg.d_model * item + rows * 4  # + the float32 per-row scales (allocated in every mode)
-    host = pc.offload_hidden != "none"
-    per_layer = total // cfg.n_layers
-    return {"total": total, "device": 0 if host else total, "device_transient": per_layer if host else 0,
-            "host": total if host else 0, "rows": rows}

@@ -1,7 +1,7 @@
 """Memory planning without weights: sizes of parameters, caches and the compiled block step.
 
-Everything is computed from abstract arrays (``jax.ShapeDtypeStruct``): the parameter pytree comes from
-``jax.eval_shape`` of :func:`polestar_jax.model.init_params`, the decode state from the same constructors
+Everything is computed from abstract arrays (``jax.ShapeDtypeStruct``): the parameter pytree from
+:func:`polestar_jax.checkpoint.param_shapes` (any model family), the decode state from the same constructors
 the engine uses, and XLA compiles the block decoder for those shapes and reports its memory analysis. No
 weight is read or allocated, so the 8B configuration plans on a laptop CPU.
 """
@@ -57,33 +57,16 @@ def _nbytes(tree) -> int:
 def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int = 128, dtype="bfloat16",
          compile_step: bool = True) -> MemoryPlan:
     """Plans one generation of ``batch`` prompts of ``prompt_len`` tokens."""
-    from polestar_jax import model as M
-    from polestar_jax import polestar as PS
-    from polestar_jax.state import init_state
-    from polestar_jax.step import EngineSpec, Knobs, run_block
+    from polestar_jax.block import EngineSpec, Knobs, decode_block
+    from polestar_jax.state import init_decode_state
 
     dt = jnp.dtype(dtype)
-    params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0), dt))
-    length = prompt_len + dcfg.gen_length
-    prompts = [[0] * prompt_len] * batch
+    from polestar_jax.checkpoint import param_shapes
 
-    def build():
-        s = init_state(prompts, cfg, dcfg.gen_length, prompt_len, dcfg.num_blocks, list(range(batch)),
-                       cache=dcfg.cache != "none", dtype=dt)
-        if dcfg.decoder == "polestar":
-            s = s.replace(polestar=PS.init_cache(cfg, dcfg.polestar, batch, length, dcfg.block_length,
-                                                 dcfg.num_blocks, dt))
-        return s
-
-    state = jax.eval_shape(build)
-    if dcfg.decoder == "polestar" and dcfg.polestar.offload_hidden != "none":
-        from polestar_jax import offload as OF
-
-        if OF.host_memory_available():  # compile with the store where the engine puts it
-            host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=OF.HOST_MEMORY_KIND)
-            put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
-            state = state.replace(polestar=state.polestar.replace(hs=put(state.polestar.hs),
-                                                                  hs_scale=put(state.polestar.hs_scale)))
+    # the parameter shapes of cfg's family (Dream adds the q/k/v biases)
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dt), param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    state = init_decode_state(cfg, dcfg, [[0] * prompt_len] * batch, prompt_len, dtype=dt, abstract=True)
     kv = _nbytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
     hs = other = transient = 0
     hs_memory = "device"
@@ -101,7 +84,7 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
         spec = EngineSpec.from_config(cfg, dcfg)
         knobs = Knobs.from_config(dcfg)
         t0 = time.perf_counter()
-        exe = jax.jit(run_block, static_argnames=("spec",)).lower(
+        exe = jax.jit(decode_block, static_argnames=("spec",)).lower(
             params, state, jnp.int32(0), knobs, None, spec).compile()
         secs = time.perf_counter() - t0
         ma = exe.memory_analysis()

@@ -1,4 +1,4 @@
-"""Builds a :class:`polestar_jax.polestar.Replay` from a PyTorch Polestar trace and decisions file.
+"""Builds a :class:`polestar_jax.draws.Replay` from a PyTorch Polestar trace and decisions file.
 
 Trace (``traces/<run>.trace.json -> traces[case]``): ``kmeans[]`` (one record per k-means call, in call
 order: per block pass, layer 0 prefix, layer 0 suffix, layer 1 prefix, ...) and ``rng[]`` (every random draw
@@ -21,10 +21,10 @@ def build_replay(trace: dict, decisions: list, cfg: ModelConfig, pc: PolestarCon
     """Replay arrays for one case (batch 1). ``max_forwards``: an upper bound of the case's NFE."""
     import jax.numpy as jnp
 
-    from polestar_jax.polestar import Replay
+    from polestar_jax.draws import Replay
 
     n, k, it = cfg.n_layers, pc.n_clusters, pc.kmeans_iters
-    wp, ws = pc.prefix_blocks * block, pc.suffix_blocks * block
+    wp, ws = pc.prefix_rows(block), pc.suffix_rows(block)
     f = max_forwards
     km_init = np.zeros((1, f, n, 2, k), np.int32)
     km_reseed = np.zeros((1, f, n, 2, it, k), np.int32)
@@ -68,7 +68,8 @@ def build_replay(trace: dict, decisions: list, cfg: ModelConfig, pc: PolestarCon
         km_forced[0, c, layer, s] = True
 
     # random draws: walk the k-means records in order, matched to (call, layer, side) by order
-    records = trace.get("kmeans", [])
+    # (a trivial call, n <= k points, draws nothing and has no labels to inject: the Dream trace lists it)
+    records = [r for r in trace.get("kmeans", []) if not r.get("trivial")]
     rng = list(trace.get("rng", []))
     if order and len(records) != len(order):
         raise PolestarError(f"trace has {len(records)} k-means calls but decisions list {len(order)}")

@@ -7,12 +7,19 @@ proxy attention additionally over heads on ``model``). A dimension that the axis
 replicated instead, so any mesh works for any model (at some cost). XLA's SPMD partitioner inserts the
 collectives; the decode code itself is unchanged.
 
-Multi-host: :func:`maybe_initialize_distributed` calls ``jax.distributed.initialize()`` when the usual
-environment variables are set; nothing here assumes one process.
+Multi-process (several hosts, or several processes on one host): :func:`join_runtime` joins JAX's own
+multi-controller runtime (``jax.distributed.initialize``) before anything touches a device; a mesh then
+spans every process's devices, each process holds only its shards (parameters are built shard by shard
+from the checkpoint: :func:`polestar_jax.checkpoint.load_model` ``shardings=``), every process passes the
+same host arrays (prompts, decode state) and :func:`shard` materialises only its local shards of them, and
+:func:`to_host` gathers results on every process.
 """
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import threading
 from typing import Any, Optional
 
 import jax
@@ -52,6 +59,11 @@ def make_mesh(spec: str | dict[str, int]) -> Mesh:
     devices = jax.devices()
     if d * m > len(devices):
         raise PolestarError(f"mesh data={d},model={m} needs {d * m} devices, {len(devices)} available")
+    if jax.process_count() > 1 and d * m != len(devices):
+        # a process without a device in the mesh would hold no shard and could not take part
+        raise PolestarError(f"mesh data={d},model={m} uses {d * m} of the {len(devices)} devices of "
+                            f"{jax.process_count()} processes; a multi-process mesh must use every device")
+    # devices are ordered by process: with model <= devices per process, `model` stays within a host
     return Mesh(np.asarray(devices[: d * m]).reshape(d, m), ("data", "model"))
 
 
@@ -73,54 +85,232 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def _batch_spec(name: str, leaf, mesh: Mesh) -> P:
-    from polestar_jax.polestar import _LAYER_MAJOR  # Polestar's per-layer fields [N, b, ...]
-
-    layer_major = name in ("k_cache", "v_cache") + _LAYER_MAJOR
-    if name in ("k_cache", "v_cache", "s_prev"):
-        return _fit(leaf.shape, (None, "data", "model"), mesh)
-    if name == "p_prev":
-        return _fit(leaf.shape, ("data", "model"), mesh)
-    if layer_major:
-        return _fit(leaf.shape, (None, "data"), mesh)
-    if leaf.ndim == 0:
-        return P()
-    return _fit(leaf.shape, ("data",), mesh)
-
-
 def state_shardings(tree: Any, mesh: Mesh) -> Any:
-    """NamedShardings for a DecodeState (or a Replay / any pytree whose leaves lead with the batch)."""
+    """NamedShardings for a DecodeState (or a Replay / any pytree whose leaves lead with the batch), from
+    the axes each state field declares (:func:`polestar_jax.state.axes`)."""
+    from polestar_jax.state import axes_of
 
-    def spec(path, leaf):
-        names = [str(getattr(p, "name", getattr(p, "key", ""))) for p in path]
-        return NamedSharding(mesh, _batch_spec(names[-1] if names else "", leaf, mesh))
-
-    return jax.tree_util.tree_map_with_path(spec, tree)
+    return jax.tree.map(lambda leaf, ax: NamedSharding(mesh, _fit(leaf.shape, ax.spec, mesh) if leaf.ndim else P()),
+                        tree, axes_of(tree))
 
 
 def shard(tree: Any, shardings: Any) -> Any:
-    return jax.device_put(tree, shardings)
+    """``tree`` placed with ``shardings``. Multi-process: every process passes the same values (host or
+    process-local arrays: prompts, the initial decode state) and builds only the shards of its own devices
+    from them (``jax.make_array_from_callback``; ``jax.device_put`` would first all-gather each array to
+    check that the processes agree); arrays that already span processes are resharded by ``device_put``."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(x, sh):
+        if sh.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, sh)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sh, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+# ---------------------------------------------------------------------------------- multi-process join
+
+#: Seconds :func:`join_runtime` waits for the coordinator and every process by default
+#: (``$POLESTAR_JAX_JOIN_TIMEOUT`` overrides it).
+JOIN_TIMEOUT_S = 300.0
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise PolestarError(f"{name}={v!r} is not an integer") from None
+
+
+def _joined() -> bool:
+    is_init = getattr(jax.distributed, "is_initialized", None)
+    if is_init is not None:
+        return bool(is_init())
+    from jax._src import distributed  # older JAX
+
+    return distributed.global_state.client is not None
+
+
+def _detected_cluster() -> Optional[str]:
+    """The cluster environment ``jax.distributed.initialize()`` would auto-detect (SLURM, Open MPI, a
+    Cloud TPU slice, Kubernetes), when it reports more than one process; None otherwise (a plain machine,
+    or a single-process job inside a cluster, which has nothing to join)."""
+    import warnings
+
+    try:
+        from jax._src import clusters  # JAX's own registry of cluster environments
+
+        kinds = [c for c in clusters.ClusterEnv._cluster_types if not getattr(c, "opt_in_only_method", False)]
+    except Exception:  # noqa: BLE001 - another JAX layout: no auto-detection
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "Kubernetes detected but the kubernetes package is missing"
+        for kind in kinds:
+            try:
+                if kind.is_env_present() and int(kind.get_process_count()) > 1:
+                    return kind.__name__
+            except Exception:  # noqa: BLE001 - an environment that cannot answer is not ours to join
+                continue
+    return None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PolestarError(f"invalid coordinator address {address!r} (expected HOST:PORT, e.g. 10.0.0.1:1234)")
+    return host.strip("[]"), int(port)
+
+
+def _why_not_joined(address: str, process_id: Optional[int], num_processes: Optional[int], seconds: float) -> str:
+    who = f"process {process_id} of {num_processes}" if process_id is not None else "this process"
+    if address and process_id != 0:
+        try:
+            host, port = _split_address(address)
+            socket.create_connection((host, port), timeout=2.0).close()
+        except (OSError, PolestarError) as e:
+            return (f"cannot reach the coordinator {address} within {seconds:g} s ({who}: "
+                    f"{getattr(e, 'strerror', None) or e}); is process 0 started and the port open?")
+    return (f"not every process joined the coordinator {address or '(auto-detected)'} within {seconds:g} s "
+            f"({who}); start all {num_processes or ''} processes with the same coordinator and process count")
+
+
+def join_runtime(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+                 process_id: Optional[int] = None, timeout: Optional[float] = None) -> bool:
+    """Joins JAX's multi-process runtime (``jax.distributed.initialize``); call it before anything uses a
+    device. Returns whether this process is now part of a multi-process runtime.
+
+    The coordinator ``HOST:PORT``, the process count and this process's id come from the arguments, else
+    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``; with none of them set, a
+    cluster JAX detects itself (SLURM, Open MPI, a Cloud TPU slice, Kubernetes) is joined when it has more
+    than one process, and nothing happens otherwise. Process 0 runs the coordinator (it listens on
+    ``PORT``). On the CPU backend, the gloo collectives are selected (cross-process collectives need them).
+
+    ``timeout`` (default ``$POLESTAR_JAX_JOIN_TIMEOUT`` or 300 s) bounds the wait for the coordinator and
+    every process: past it, the process prints one ``error: ...`` line on stderr and ends with status 2
+    (JAX itself would abort with a stack trace). Calling it again, or after ``jax.distributed.initialize``,
+    returns True. Raises :class:`PolestarError` for invalid or incomplete settings, or when JAX already
+    uses its devices.
+    """
+    if _joined():
+        return True
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    cluster = None
+    if coordinator is None and num_processes is None and process_id is None:
+        cluster = _detected_cluster()
+        if cluster is None:
+            return False
+    else:
+        if num_processes is not None and num_processes < 1:
+            raise PolestarError(f"the number of processes must be >= 1, got {num_processes}")
+        if num_processes == 1 and process_id in (None, 0):
+            return False  # one process: nothing to join
+        if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+            raise PolestarError(f"process id {process_id} is not in [0, {num_processes})")
+        if None in (coordinator, num_processes, process_id) and _detected_cluster() is None:
+            missing = [flag for flag, v in (("--coordinator / JAX_COORDINATOR_ADDRESS", coordinator),
+                                            ("--num-processes / JAX_NUM_PROCESSES", num_processes),
+                                            ("--process-id / JAX_PROCESS_ID", process_id)) if v is None]
+            raise PolestarError(f"a multi-process run needs {' and '.join(missing)} (no cluster to detect "
+                                "them from)")
+        if coordinator is not None:
+            _split_address(coordinator)
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except Exception:  # noqa: BLE001
+        started = False
+    if started:
+        raise PolestarError("cannot join a multi-process runtime: JAX already uses its devices in this process "
+                            "(join first: polestar_jax.sharding.join_runtime() before any jax computation)")
+    if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # (a user's "mpi" is kept)
+    if timeout is None:
+        env = os.environ.get("POLESTAR_JAX_JOIN_TIMEOUT")
+        try:
+            timeout = float(env) if env else JOIN_TIMEOUT_S
+        except ValueError:
+            raise PolestarError(f"POLESTAR_JAX_JOIN_TIMEOUT={env!r} is not a number of seconds") from None
+    if not timeout > 0:
+        raise PolestarError(f"the join timeout must be > 0 s, got {timeout}")
+
+    done = threading.Event()
+
+    def watchdog():  # JAX's own timeout aborts the process with a stack trace; this one ends it first
+        if not done.wait(timeout):
+            msg = _why_not_joined(coordinator or "", process_id, num_processes, timeout)
+            try:
+                sys.stdout.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            os.write(2, f"error: {msg}\n".encode())
+            os._exit(2)
+
+    threading.Thread(target=watchdog, name="polestar-join-watchdog", daemon=True).start()
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   initialization_timeout=int(timeout) + 60)
+    except (RuntimeError, ValueError, TypeError) as e:
+        detail = " ".join(str(e).split())[:300]
+        raise PolestarError(f"cannot join the multi-process runtime ({cluster or coordinator}): {detail}") from None
+    finally:
+        done.set()
+    return True
 
 
 def maybe_initialize_distributed() -> bool:
-    """Calls ``jax.distributed.initialize()`` when a multi-process environment is configured
-    (``JAX_COORDINATOR_ADDRESS`` or ``COORDINATOR_ADDRESS`` with process count/id). Returns whether it did."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("COORDINATOR_ADDRESS"):
-        try:
-            jax.distributed.initialize()
-            return True
-        except RuntimeError:  # already initialised
-            return False
-    return False
+    """Former name of :func:`join_runtime` (from the environment only)."""
+    return join_runtime()
+
+
+def is_leader() -> bool:
+    """True in process 0 (the process that prints results), and in a single-process run."""
+    return jax.process_index() == 0
+
+
+_REPLICATE: dict = {}
+
+
+def _replicated(n: int, mesh: Mesh):
+    """A jitted identity of ``n`` arrays whose outputs are replicated over ``mesh`` (cached)."""
+    fn = _REPLICATE.get((n, mesh))
+    if fn is None:
+        rep = NamedSharding(mesh, P())
+        fn = _REPLICATE[(n, mesh)] = jax.jit(lambda *a: a, out_shardings=(rep,) * n)
+    return fn
 
 
 def to_host(tree: Any) -> Any:
-    """Fetches a (possibly multi-host) pytree to numpy on every process."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    """Fetches a pytree of (possibly multi-process) arrays to numpy, on every process. Arrays with shards
+    on other processes are replicated by one compiled program per mesh (all of them at once, not one
+    program per leaf as ``process_allgather``), then copied; local ones are copied."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            groups.setdefault(getattr(x.sharding, "mesh", None), []).append(i)
+    out = list(leaves)
+    for mesh, idx in groups.items():
+        xs = [leaves[i] for i in idx]
+        if isinstance(mesh, Mesh):
+            xs = _replicated(len(xs), mesh)(*xs)
+        else:  # another kind of sharding
+            from jax.experimental import multihost_utils
 
-        return multihost_utils.process_allgather(tree, tiled=True)
-    return jax.device_get(tree)
+            xs = [multihost_utils.process_allgather(x, tiled=True) for x in xs]
+        for i, x in zip(idx, xs):
+            out[i] = x
+    fetched = [np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) and not x.is_fully_addressable
+               else x for x in out]
+    return jax.device_get(jax.tree.unflatten(treedef, fetched))
 
 
 def mesh_or_none(spec: Optional[str]) -> Optional[Mesh]:

@@ -14,6 +14,7 @@ folders (``tiny_random``: a random model with the same tokenizer).
 """
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
 import os
@@ -76,13 +77,14 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _make_jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    """The Jinja2 environment transformers renders chat templates in."""
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str) -> jinja2.Template:
+    """``template`` compiled in the Jinja2 environment transformers renders chat templates in."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    return env
+    return env.from_string(template)
 
 
 class Tokenizer:
@@ -93,7 +95,8 @@ class Tokenizer:
         tokenizer_config: the parsed ``tokenizer_config.json`` (``{}`` when the folder has none).
         model_config: the parsed ``config.json`` (``{}`` when absent); a fallback for the ids of the
             EOS / pad / mask tokens.
-        chat_template: the Jinja2 chat template, or ``None`` when the model has none.
+        chat_template: the Jinja2 chat template, or ``None`` when the model has none (kept as the attribute
+            of that name).
         source: the model folder, used in error messages.
     """
 
@@ -103,8 +106,7 @@ class Tokenizer:
         self._tok = hf_tokenizer
         self._tok_config: dict[str, Any] = dict(tokenizer_config or {})
         self._model_config: dict[str, Any] = dict(model_config or {})
-        self._chat_template = chat_template
-        self._compiled: Optional[jinja2.Template] = None
+        self.chat_template = chat_template
         self.source = source
         self.special_tokens: dict[str, str] = {}
         for key in _SPECIAL_TOKEN_KEYS:
@@ -114,11 +116,6 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ vocabulary
     @property
-    def hf_tokenizer(self) -> _HFTokenizer:
-        """The underlying ``tokenizers.Tokenizer``."""
-        return self._tok
-
-    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added (special) tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -126,10 +123,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         """Id of ``token`` in the vocabulary, or ``None``."""
         return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> Optional[str]:
-        """Token string of ``token_id``, or ``None``."""
-        return self._tok.id_to_token(int(token_id))
 
     def _special_id(self, key: str, config_key: Optional[str] = None) -> Optional[int]:
         """Id of special token ``key`` (e.g. ``"eos_token"``) named by tokenizer_config.json, else the
@@ -141,14 +134,6 @@ class Tokenizer:
                 return tid
         value = self._model_config.get(config_key) if config_key else None
         return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-    @property
-    def bos_token(self) -> Optional[str]:
-        return self.special_tokens.get("bos_token")
-
-    @property
-    def eos_token(self) -> Optional[str]:
-        return self.special_tokens.get("eos_token")
 
     @property
     def bos_token_id(self) -> Optional[int]:
@@ -187,39 +172,30 @@ class Tokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ chat template
-    @property
-    def chat_template(self) -> Optional[str]:
-        return self._chat_template
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self._chat_template)
-
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Renders ``messages`` (``[{"role": "user", "content": "..."}, ...]``) with the chat template,
         as ``transformers`` does with ``tokenize=False``. Extra keyword arguments become template
         variables. Raises :class:`PolestarError` if there is no template or rendering fails."""
-        if not self._chat_template:
+        if not self.chat_template:
             raise PolestarError(f"{self.source}: the tokenizer has no chat template")
-        if self._compiled is None:
-            try:
-                self._compiled = _make_jinja_env().from_string(self._chat_template)
-            except jinja2.exceptions.TemplateError as e:
-                raise PolestarError(f"{self.source}: invalid chat template ({e})".replace("\n", " ")) from None
+        try:
+            compiled = _compile_template(self.chat_template)
+        except jinja2.exceptions.TemplateError as e:
+            raise PolestarError(f"{self.source}: invalid chat template ({e})".replace("\n", " ")) from None
         variables: dict[str, Any] = dict(self.special_tokens)
         variables.update(kwargs)
         variables["messages"] = [dict(m) for m in messages]
         variables["add_generation_prompt"] = add_generation_prompt
         try:
-            return self._compiled.render(**variables)
+            return compiled.render(**variables)
         except jinja2.exceptions.TemplateError as e:
             raise PolestarError(f"{self.source}: chat template failed: {e}".replace("\n", " ")) from None
 
     def chat_prompt_ids(self, user_text: str) -> list[int]:
         """Prompt ids for a single user turn: the chat template with a generation prompt, encoded without
         extra special tokens; the raw text encoded when the model has no chat template."""
-        if not self._chat_template:
+        if not self.chat_template:
             return self.encode(user_text)
         return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
 

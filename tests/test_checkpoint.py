@@ -1,4 +1,4 @@
-"""Checkpoint IO: safetensors reader/writer, HF <-> params mapping, orbax conversion, export, the CLI."""
+"""Checkpoint IO: the safetensors adapter, HF <-> params mapping, orbax conversion, export, the CLI."""
 from __future__ import annotations
 
 import json
@@ -73,13 +73,12 @@ def _hf_copy(dst: Path, tensors: dict[str, np.ndarray] | None = None, config: di
 
 # ------------------------------------------------------------------------------------------ safetensors IO
 
-def test_reader_matches_safetensors_library(hf_tensors):
-    for mmap in (True, False):
-        ours = read_safetensors(TINY_ST, mmap=mmap)
-        assert set(ours) == set(hf_tensors)
-        for name, ref in hf_tensors.items():
-            assert ours[name].dtype == ref.dtype and ours[name].shape == ref.shape, name
-            np.testing.assert_array_equal(ours[name], ref, err_msg=name)
+def test_lazy_reader_matches_eager_load(hf_tensors):
+    ours = read_safetensors(TINY_ST)  # header checked now, each tensor read when looked up
+    assert list(ours) == list(hf_tensors) and len(ours) == len(hf_tensors)
+    for name, ref in hf_tensors.items():
+        assert ours[name].dtype == ref.dtype and ours[name].shape == ref.shape, name
+        np.testing.assert_array_equal(ours[name], ref, err_msg=name)
 
 
 def test_writer_round_trip_all_dtypes(tmp_path):
@@ -97,22 +96,20 @@ def test_writer_round_trip_all_dtypes(tmp_path):
         "scalar": np.float32(3.5),
         "empty": np.zeros((0, 4), np.float32),
         "jax": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3),
+        "strided": np.arange(16, dtype=np.float32).reshape(4, 4)[:, ::2],  # written dense
     }
     path = tmp_path / "t.safetensors"
     write_safetensors(path, tensors, metadata={"format": "pt"})
-    for mmap in (True, False):
-        back = read_safetensors(path, mmap=mmap)
+    assert not (tmp_path / "t.safetensors.tmp").exists()
+    for back in (read_safetensors(path), load_file(str(path))):
         assert set(back) == set(tensors)
         for name, ref in tensors.items():
             ref = np.asarray(ref)
             assert back[name].dtype == ref.dtype and back[name].shape == ref.shape, name
             np.testing.assert_array_equal(back[name], ref, err_msg=name)
-    # The reference implementation reads what we write (safetensors.numpy has no bfloat16, so without it).
-    no_bf16 = {k: np.asarray(v) for k, v in tensors.items() if np.asarray(v).dtype != ml_dtypes.bfloat16}
-    write_safetensors(tmp_path / "n.safetensors", no_bf16)
-    lib = load_file(str(tmp_path / "n.safetensors"))
-    for name, ref in no_bf16.items():
-        np.testing.assert_array_equal(lib[name], ref, err_msg=name)
+    with pytest.raises(CheckpointError, match="cannot write") as e:
+        write_safetensors(tmp_path / "c.safetensors", {"c": np.ones(2, np.complex128)})
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("c.safetensors*"))
 
 
 def _cut(tmp_path: Path, n_bytes: int) -> Path:
@@ -142,6 +139,8 @@ def _with_header(tmp_path: Path, header: bytes, data: bytes = b"") -> Path:
     (lambda d: _with_header(d, b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}', b"\0" * 8),
      "invalid data_offsets"),
     (lambda d: _with_header(d, b'{"a": {"dtype": "F32", "shape": [1]}}'), "data_offsets"),
+    (lambda d: _with_header(d, b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 8),
+     "trailing bytes"),
 ])
 def test_reader_errors(tmp_path, make, match):
     path = make(tmp_path)
@@ -404,15 +403,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert r.stderr.strip() == f"error: model folder not found: {tmp_path / 'nope'}"
     assert r.stdout == ""
 
-    with pytest.raises(SystemExit) as e:
-        convert_main([str(TINY)])
-    assert e.value.code == 2
+    assert convert_main([str(TINY)]) == 2  # argparse errors too: main() returns the exit status
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
 
-    with pytest.raises(SystemExit) as e:
-        convert_main([str(TINY), str(tmp_path / "o"), "--dtype", "int4"])
-    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert convert_main([str(TINY), str(tmp_path / "o"), "--dtype", "int4"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
     d = _hf_copy(tmp_path / "bad", config={"model_type": "llama"})
     assert convert_main([str(d), str(tmp_path / "o")]) == 2

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from polestar_jax import compat
 from polestar_jax.kernels import backend as BK
 from polestar_jax.kernels import kl_drift as KD
 from polestar_jax.kernels import refresh as RF
@@ -28,7 +29,7 @@ _CHECKS = [jax.export.DisabledSafetyCheck.custom_call(_TRITON)]  # Triton calls 
 
 
 def _export(f, args, platform):
-    return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=_CHECKS)(*args).mlir_module()
+    return compat.export(jax.jit(f), platforms=[platform], disabled_checks=_CHECKS)(*args).mlir_module()
 
 
 def _has_kernel(text, platform):
@@ -112,10 +113,9 @@ def test_cpu_export_is_reference():
 def block_step_args():
     """Abstract params / state / knobs of the tiny Polestar block step (as polestar_jax.plan builds them)."""
     from polestar_jax import model as M
-    from polestar_jax import polestar as PS
+    from polestar_jax.block import EngineSpec, Knobs
     from polestar_jax.config import DecodeConfig, ModelConfig
-    from polestar_jax.state import init_state
-    from polestar_jax.step import EngineSpec, Knobs
+    from polestar_jax.state import init_decode_state
 
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=48, vocab_size=64,
                       embedding_size=64, mask_token_id=63, eos_token_id=62, pad_token_id=62,
@@ -124,14 +124,7 @@ def block_step_args():
     spec = EngineSpec.from_config(cfg, dcfg)
     batch, plen = 2, 16
     params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0), jnp.float32))
-
-    def build():
-        s = init_state([[0] * plen] * batch, cfg, dcfg.gen_length, plen, dcfg.num_blocks, list(range(batch)),
-                       cache=True, dtype=jnp.float32)
-        return s.replace(polestar=PS.init_cache(cfg, dcfg.polestar, batch, plen + dcfg.gen_length,
-                                                dcfg.block_length, dcfg.num_blocks, jnp.float32))
-
-    state = jax.eval_shape(build)
+    state = init_decode_state(cfg, dcfg, [[0] * plen] * batch, plen, abstract=True)
     knobs = jax.eval_shape(lambda: Knobs.from_config(dcfg))
     return params, state, S((), jnp.int32), knobs, spec
 
@@ -141,10 +134,10 @@ def test_polestar_block_step_exports(block_step_args, platform):
     """The whole Polestar block (block-start pass + while-loop of decode steps with refresh) lowers for
     GPU and TPU. It is plain jnp today (no kernel custom call); once polestar.py calls the kernels with
     backend="auto", the same export carries them."""
-    from polestar_jax.step import run_block
+    from polestar_jax.block import decode_block as run_block
 
     params, state, block_idx, knobs, spec = block_step_args
-    exp = jax.export.export(jax.jit(run_block, static_argnames=("spec",)), platforms=[platform],
-                            disabled_checks=_CHECKS)(params, state, block_idx, knobs, None, spec=spec)
+    exp = compat.export(jax.jit(run_block, static_argnames=("spec",)), platforms=[platform],
+                        disabled_checks=_CHECKS)(params, state, block_idx, knobs, None, spec=spec)
     assert exp.platforms == (platform,)
     assert "while" in exp.mlir_module()

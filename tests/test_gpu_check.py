@@ -15,6 +15,7 @@ if str(REPO_ROOT) not in sys.path:  # ``bench`` is a top-level folder of the rep
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import gpu_check as G  # noqa: E402
+from polestar_jax import compat  # noqa: E402
 
 # the four step kinds of the check plus the LM head (per-layer columns) and Polestar's block-start pass
 SMOKE_ARGS = ["--smoke", "--layers", "1", "--repeats", "2", "--warmup", "1", "--hard-stop-s", "0"]
@@ -108,6 +109,6 @@ def test_gpu_check_8b_shapes_lower_for_cuda(kind):
                    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)))
         if kernels == "pallas":
             checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-            mlir = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+            mlir = compat.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
                 params, state, cs).mlir_module()
             assert "__gpu$xla.gpu.triton" in mlir

@@ -19,11 +19,13 @@ import pytest
 
 from polestar_jax import drift as Dr
 from polestar_jax import model as M
-from polestar_jax import polestar as PS
+from polestar_jax import polestar_state as PSt
 from polestar_jax.config import ModelConfig
 from polestar_jax.kernels import backend as BK
 from polestar_jax.kernels import kl_drift as KD
 from polestar_jax.kernels import refresh as RF
+
+import drift_refs  # tests/drift_refs.py
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
@@ -121,7 +123,7 @@ def test_kl_drift_reference_equals_polestar_drift():
     def polestar_side(q, k, v, key_valid, pp, cent, s_prev):
         _, p_attn = M.attention(q, k, v, key_valid, return_probs=True)
         s = Dr.proxy_attention(lp, cent, k, cfg, key_valid)
-        return p_attn, Dr.token_drift(p_attn, pp), s, Dr.cluster_drift(s, s_prev)
+        return p_attn, drift_refs.token_drift(p_attn, pp), s, drift_refs.cluster_drift(s, s_prev)
 
     @jax.jit
     def kernel_side(q, k, key_valid, pp, cent, s_prev):
@@ -212,7 +214,7 @@ def test_gather_rows_interpret(flavor, dtype, int8):
         args = (*RF.quantize_rows(hs),) if int8 else (hs, None)
         args = (args[0], idx, valid, args[1])
         return (RF.gather_rows(*args, interpret=True, flavor=flavor, **kw), RF.gather_rows_reference(*args, **kw),
-                PS._rows_at(hs, idx))
+                PSt.rows_at(hs, idx))
 
     got, want, plain = _jit(run)(hs, idx, valid)
     assert got.dtype == want.dtype == jnp.dtype(dtype) and got.shape == (b, c, d)

@@ -30,11 +30,16 @@ import pytest
 from polestar_jax import cluster as C
 from polestar_jax import commit as R
 from polestar_jax import drift as Dr
-from polestar_jax import polestar as PS
+from polestar_jax import polestar_start as PST
+from polestar_jax import polestar_step as PSS
+from polestar_jax import polestar_state as PSt
+from polestar_jax import draws as DR
 from polestar_jax.checkpoint import load_model
-from polestar_jax.config import PolestarConfig
+from polestar_jax.config import DecodeConfig, PolestarConfig
 from polestar_jax.replay import build_replay
-from polestar_jax.state import init_state
+from polestar_jax.state import init_decode_state
+
+import drift_refs  # tests/drift_refs.py
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -49,8 +54,8 @@ N_BLOCKS = GEN // B
 ATOL = RTOL = 1e-4
 
 # compiled once per module (static: cfg, pc, block, windowed / refresh)
-_start_pass = jax.jit(PS.start_pass, static_argnums=(3, 4, 5, 6))
-_step_forward = jax.jit(PS.step_forward, static_argnums=(3, 4, 5, 6))
+_start_pass = jax.jit(PST.start_pass, static_argnums=(3, 4, 5, 6))
+_step_forward = jax.jit(PSS.step_forward, static_argnums=(3, 4, 5, 6))
 _cluster_windows = jax.jit(C.cluster_windows, static_argnums=(6, 7))
 
 
@@ -153,9 +158,9 @@ def ctx():
     assert ids[:P].tolist() == list(case["prompt_ids"]) and np.all(ids[P:] == cfg.mask_token_id)
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads) == (3, 64, 4)
 
-    state = init_state([ids[:P].tolist()], cfg, GEN, P, N_BLOCKS, [0], cache=True, dtype=jnp.float32)
-    state = state.replace(polestar=PS.init_cache(cfg, pc, 1, L, B, N_BLOCKS, jnp.float32))
-    geo = PS.geometry(state, CS, B, pc)
+    dcfg = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=B, polestar=pc)
+    state = init_decode_state(cfg, dcfg, [ids[:P].tolist()], P)
+    geo = PSt.geometry(state, CS, B, pc)
     replay = build_replay(trace, decisions, cfg, pc, B, len(trace["calls"]) + 1)
     ref_pos = np.asarray(geo.ref_pos)
     np.testing.assert_array_equal(ref_pos, np.r_[np.arange(CS - 2 * B, CS), np.arange(CE, CE + B)])
@@ -168,7 +173,7 @@ def ctx():
 def start(ctx):
     """Our block-0 full pass with the replayed k-means draws (state nfe = 0)."""
     assert int(ctx.state.nfe[0]) == 0
-    draws = PS.block_start_draws(ctx.state, ctx.geo, ctx.cfg, ctx.pc, B, ctx.replay)
+    draws = DR.block_start_draws(ctx.state, ctx.geo, ctx.cfg, ctx.pc, B, ctx.replay)
     out = _start_pass(ctx.params, ctx.state, ctx.geo, ctx.cfg, ctx.pc, B, False, draws)
     return jax.tree.map(np.asarray, out)
 
@@ -256,7 +261,7 @@ def test_cluster_windows_reproduces_dump(ctx, forced):
     """k-means of the dump's HS windows with the replayed draws: with the decisions' labels injected, and with
     our own cosine assignment from the same initial points / re-seeds (no near-ties in this block)."""
     z = ctx.z
-    pre, suf = PS.block_start_draws(ctx.state, ctx.geo, ctx.cfg, ctx.pc, B, ctx.replay)
+    pre, suf = DR.block_start_draws(ctx.state, ctx.geo, ctx.cfg, ctx.pc, B, ctx.replay)
     print()
     for l in range(3):
         dp, ds = (jax.tree.map(lambda a: a[l, 0], d) for d in (pre, suf))
@@ -349,7 +354,7 @@ def test_token_drift_matches_spec():
     # unnormalised rows: negative per-head KL (clamped per head, before the head mean)
     p_t[1, 0, 1] *= 0.5
     p_prev[1, 0, 1] = p_t[1, 0, 1] * 2.0
-    got = np.asarray(Dr.token_drift(jnp.asarray(p_t), jnp.asarray(p_prev)))
+    got = np.asarray(drift_refs.token_drift(jnp.asarray(p_t), jnp.asarray(p_prev)))
     want = _np_token_drift(p_t, p_prev)
     assert got.dtype == np.float32 and got.shape == (2, 5)
     assert got[0, 0] == 0.0
@@ -366,7 +371,7 @@ def test_cluster_drift_matches_spec():
     s_prev[0, :, 3] = s[0, :, 3]
     s[1, 2, 5] = 0.0  # an all-zero row: 0 * log(1e-12) terms
     s[1, 1, 6] *= 0.25  # unnormalised: negative head KL, clamped
-    got = np.asarray(Dr.cluster_drift(jnp.asarray(s), jnp.asarray(s_prev)))
+    got = np.asarray(drift_refs.cluster_drift(jnp.asarray(s), jnp.asarray(s_prev)))
     want = _np_cluster_drift(s, s_prev)
     assert got.dtype == np.float32 and got.shape == (2, 8)
     assert got[0, 3] == 0.0
@@ -457,9 +462,9 @@ def test_top_clusters_ties_and_invalid_slots():
                       [1, 2, 3, 4, 5, 9, 9, 9],      # invalid slots hold the highest scores
                       [2, 2, 2, 2, 2, 2, 2, 2]], jnp.float32)
     n_valid = jnp.asarray([6, 6, 5, 2], jnp.int32)
-    got = np.asarray(PS.top_clusters(sc, n_valid, 4))
+    got = np.asarray(PSS.top_clusters(sc, n_valid, 4))
     assert [np.nonzero(r)[0].tolist() for r in got] == [[0, 1, 2, 3], [1, 2, 3, 5], [1, 2, 3, 4], [0, 1]]
-    got1 = np.asarray(PS.top_clusters(sc, n_valid, 1))
+    got1 = np.asarray(PSS.top_clusters(sc, n_valid, 1))
     assert [np.nonzero(r)[0].tolist() for r in got1] == [[0], [1], [4], [0]]
     # random integer scores (many exact ties), random valid counts, m = 4 and 1
     rng = np.random.default_rng(3)
@@ -467,7 +472,7 @@ def test_top_clusters_ties_and_invalid_slots():
     s[rng.random(s.shape) < 0.05] = -np.inf
     nv = rng.integers(0, 9, size=(64,)).astype(np.int32)
     for m in (4, 1):
-        got = np.asarray(PS.top_clusters(jnp.asarray(s), jnp.asarray(nv), m))
+        got = np.asarray(PSS.top_clusters(jnp.asarray(s), jnp.asarray(nv), m))
         np.testing.assert_array_equal(got, _np_top(s, nv, m))
         assert not np.any(got & (np.arange(8)[None] >= nv[:, None]))
 

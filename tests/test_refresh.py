@@ -14,11 +14,13 @@ import pytest
 
 from polestar_jax import offload as OF
 from polestar_jax import polestar as PS
-from polestar_jax import refresh as RF
+from polestar_jax import polestar_step as PSS
+from polestar_jax import polestar_state as PSt
+from polestar_jax import compaction as RF
 from polestar_jax.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
 from polestar_jax.errors import ConfigError
-from polestar_jax.state import init_state
+from polestar_jax.state import init_decode_state
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")
 GEN, BLOCK = 32, 8
@@ -121,12 +123,8 @@ def tiny_p():
 
 def _started(params, cfg, pc):
     dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK, polestar=pc)
-    slot = max(len(p) for p in PROMPTS)
-    st = init_state(PROMPTS, cfg, GEN, slot, dc.num_blocks, [0, 1], cache=True, dtype=jnp.float32)
-    pol = PS.init_cache(cfg, pc, len(PROMPTS), st.x.shape[1], BLOCK, dc.num_blocks, jnp.float32)
-    hs, sc = OF.place_store(pol.hs, pol.hs_scale, pc)
-    st = st.replace(polestar=pol.replace(hs=hs, hs_scale=sc))
-    f = jax.jit(lambda p, s: PS.block_start(p, s, jnp.int32(1), 0.9, cfg, pc, BLOCK, GEN, None))
+    st = init_decode_state(cfg, dc, PROMPTS, max(len(p) for p in PROMPTS))
+    f = jax.jit(lambda p, s: PS.block_start(p, s, jnp.int32(1), cfg, dc))
     return f(params, st)
 
 
@@ -146,8 +144,8 @@ def test_refresh_step_same_at_every_bucket_count(tiny_p, mode, buckets):
         pc = PolestarConfig(offload_hidden=mode, refresh_buckets=q)
 
         def f(p, s, pc=pc):
-            geo = PS.geometry(s, jnp.int32(cs), BLOCK, pc)
-            return PS.step_forward(p, s, geo, cfg, pc, BLOCK, True, rows, None)
+            geo = PSt.geometry(s, jnp.int32(cs), BLOCK, pc)
+            return PSS.step_forward(p, s, geo, cfg, pc, BLOCK, True, rows, None)
 
         outs[q] = jax.jit(f)(params, start)
     dense = outs[1]

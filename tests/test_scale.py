@@ -23,9 +23,9 @@ def test_polestar_batch_rows_equal_alone():
     cfg, params = load_model(os.path.join(DATA, "polestar_tiny_p"), dtype="float32")
     dc = DecodeConfig(decoder="polestar", gen_length=32, block_length=8, threshold=0.9)
     a, b = [5, 17, 33, 2, 99, 140, 7, 61, 8, 200, 13, 4], [9, 8, 7, 6, 5]
-    both = generate(params, cfg, [a, b], dc, seed=[11, 22], prompt_slot=16)
+    both = generate(params, cfg, [a, b], dc, seed=7, rows=[11, 22], prompt_slot=16)
     for row, (p, s) in enumerate(((a, 11), (b, 22))):
-        alone = generate(params, cfg, [p], dc, seed=[s], prompt_slot=16)
+        alone = generate(params, cfg, [p], dc, seed=7, rows=[s], prompt_slot=16)
         np.testing.assert_array_equal(both.tokens[row], alone.tokens[0])
         assert int(both.nfe[row]) == int(alone.nfe[0])
         assert both.block_stats(row) == alone.block_stats(0)
@@ -49,8 +49,8 @@ cfg, params = load_model(data + "/polestar_tiny_p", dtype="float32")
 prompts = [[5, 17, 33, 2, 99, 140, 7, 61, 8, 200, 13, 4], [9, 8, 7, 6, 5]]
 for dec, cache, thr in (("llada", "none", None), ("fastdllm", "prefix", 0.9), ("polestar", "dual", 0.9)):
     dc = DecodeConfig(decoder=dec, cache=cache, gen_length=16, block_length=8, threshold=thr)
-    one = generate(params, cfg, prompts, dc, seed=[1, 2], prompt_slot=16)
-    sh = generate(params, cfg, prompts, dc, seed=[1, 2], prompt_slot=16, mesh=mesh)
+    one = generate(params, cfg, prompts, dc, seed=7, rows=[1, 2], prompt_slot=16)
+    sh = generate(params, cfg, prompts, dc, seed=7, rows=[1, 2], prompt_slot=16, mesh=mesh)
     out[dec + "/" + cache] = bool((one.tokens == sh.tokens).all() and (one.nfe == sh.nfe).all())
 # (one refresh width: the sharded compiles of every width branch would dominate this test; the generate
 # above runs the default widths on the mesh, and tokens do not depend on them: tests/test_refresh.py)

@@ -1,4 +1,4 @@
-"""Tokenizer loading, encode/decode, the LLaDA chat template, and the bundled tiny random model."""
+"""Tokenizer loading, encode/decode, the LLaDA chat template, and the bundled models (tiny_tasks, tiny_random)."""
 from __future__ import annotations
 
 import importlib.resources
@@ -82,7 +82,6 @@ def test_ascii_ids_are_bytes(tok: Tokenizer) -> None:
 
 
 def test_chat_template_llada(tok: Tokenizer) -> None:
-    assert tok.has_chat_template
     assert tok.chat_template == LLADA_TEMPLATE
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == EXPECTED_HI
     # the template trims the content
@@ -119,7 +118,7 @@ def test_special_ids_match_config(tok: Tokenizer) -> None:
 def test_no_chat_template_encodes_raw_text(tmp_path: Path) -> None:
     shutil.copy(BUNDLED / "tokenizer.json", tmp_path / "tokenizer.json")
     t = load_tokenizer(tmp_path)
-    assert not t.has_chat_template
+    assert t.chat_template is None
     assert t.chat_prompt_ids("Hi") == [72, 105]
     assert t.eos_token_id is None
     assert t.mask_token_id == t.token_to_id("<|mdm_mask|>")

@@ -77,6 +77,6 @@ def test_export_loads_back(tmp_path):
     cfg, _ = load_model(str(tmp_path / "model"))
     tok = load_tokenizer(str(tmp_path / "model"))
     assert cfg.vocab_size == tok.vocab_size and cfg.mask_token_id == tok.mask_token_id
-    assert tok.has_chat_template
+    assert tok.chat_template
     readme = (tmp_path / "model" / "README.md").read_text()
     assert "exact match" in readme and "copy" in readme

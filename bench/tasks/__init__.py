@@ -298,3 +298,16 @@ def decode_answer(tokenizer, ids: Sequence[int]) -> str:
             break
         out.append(int(t))
     return tokenizer.decode(out, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------ long-answer tasks
+# The ``tiny_long`` group (issue #13, :mod:`bench.tasks.long`): registered in TASKS (so instance, eval_instances,
+# sample_task, holdout_prompts and score work on them) but not in TASK_NAMES, which stays the tiny_tasks group.
+# Their salts start at 100, so adding them changes no existing task's instances.
+
+from .long import LONG_NAMES, LONG_TASKS, MAX_LONG_ANSWER_CHARS  # noqa: E402
+
+LONG_TASK_NAMES: tuple[str, ...] = tuple(LONG_TASKS)
+TASKS.update(LONG_TASKS)
+_TASK_SALT.update({name: 100 + i for i, name in enumerate(LONG_TASK_NAMES)})
+__all__ += ["LONG_NAMES", "LONG_TASKS", "LONG_TASK_NAMES", "MAX_LONG_ANSWER_CHARS"]

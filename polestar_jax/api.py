@@ -1,0 +1,379 @@
+"""Text in, text out: the Python API over the decoding engine.
+
+::
+
+    from polestar_jax.api import load
+
+    model = load()                                  # the bundled tiny_tasks model (or load("/models/llada8b-jax"))
+    out = model.generate(["reverse: ann,bob,cal,dan", "copy: eve,fay,gus"])
+    for r in out:
+        print(r.text, r.nfe, r.tpf, r.stats)        # stats: Polestar's refresh steps, early / suffix commits
+    print(out.tps, out.compile_seconds)
+
+:func:`load` reads a model folder (HF or converted; the bundled ``tiny_tasks`` model when none is given) with
+its tokenizer, chat template and generation defaults, and turns on the persistent compilation cache the
+command lines use (:mod:`polestar_jax.cache`; ``POLESTAR_JAX_CACHE=off`` or ``compile_cache=False`` opts
+out). :meth:`Model.generate` decodes a list of strings as one batch (or in batches of ``batch_size``) with the
+same engine as ``python -m polestar_jax.generate``; the decoder knobs are the fields of
+:class:`~polestar_jax.config.DecodeConfig` and :class:`~polestar_jax.config.PolestarConfig` as keyword
+arguments, with the same defaults as the command line (decoder ``polestar``; gen / block length from the
+folder's ``generation_config.json``, else 128 / 32; cache ``none`` for ``llada``, else ``dual``).
+
+Prompt ``i`` of a call is row ``i`` of the job: its randomness (sampling noise, Polestar's k-means draws) comes
+from ``(seed, i)`` only (:func:`polestar_jax.state.row_key_data`), so it decodes the same whatever the batch
+size, exactly as the ``i``-th prompt of ``generate --prompts-file``.
+
+Accounting, as ``bench.run`` counts it (and the paper): ``non_eos_tokens`` = generated ids that are not the
+model's EOS / pad id; ``tpf`` = non-EOS tokens / forwards (NFE); ``tps`` = non-EOS tokens / decode seconds
+(compile time apart, in ``compile_seconds``). The response text is cut at the first end-of-text id (EOS, pad
+or ``<|eot_id|>``) and decoded without special tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
+from polestar_jax.errors import PolestarError
+
+__all__ = ["Model", "Generation", "Generations", "load", "decode_config", "DECODE_FIELDS", "POLESTAR_FIELDS",
+           "EOT_TOKEN"]
+
+#: The chat models' end-of-turn token: a stop id like EOS (the response ends there), but counted by TPF.
+EOT_TOKEN = "<|eot_id|>"
+#: DecodeConfig fields accepted as keyword arguments (``polestar`` takes a PolestarConfig).
+DECODE_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig) if f.name != "polestar")
+#: PolestarConfig fields accepted as keyword arguments (decoder ``polestar`` only).
+POLESTAR_FIELDS = tuple(f.name for f in dataclasses.fields(PolestarConfig))
+
+
+def decode_config(defaults: Optional[Mapping[str, int]] = None, polestar: Optional[PolestarConfig] = None,
+                  family: Optional[str] = None, **given: Any) -> DecodeConfig:
+    """The :class:`DecodeConfig` for the given knobs, with the command line's defaults (the same config as
+    ``python -m polestar_jax.generate`` with the matching flags would use).
+
+    ``given``: :data:`DECODE_FIELDS` and :data:`POLESTAR_FIELDS` by name; a knob that is not passed takes its
+    default, ``None`` means none (``threshold=None``: the fixed schedule). ``defaults``: the model folder's
+    generation defaults (:func:`polestar_jax.checkpoint.generation_defaults`) for ``gen_length`` /
+    ``block_length``. ``polestar``: a whole :class:`PolestarConfig` instead of single knobs. ``family``: the
+    model family (``ModelConfig.family``), whose Polestar parameters (``Family.polestar_defaults``, e.g.
+    Dream's) replace the defaults of the knobs not given.
+    Raises :class:`PolestarError` (a one-line message) for unknown names, knobs that would have no effect
+    and values the configs reject."""
+    defaults = dict(defaults or {})
+    unknown = sorted(set(given) - set(DECODE_FIELDS) - set(POLESTAR_FIELDS))
+    if unknown:
+        raise PolestarError(f"unknown decoder setting(s) {', '.join(unknown)} (known: "
+                            f"{', '.join(DECODE_FIELDS + POLESTAR_FIELDS)})")
+    dec = {k: v for k, v in given.items() if k in DECODE_FIELDS}
+    knobs = {k: v for k, v in given.items() if k in POLESTAR_FIELDS}
+    decoder = dec.get("decoder", "polestar")
+    if polestar is not None and knobs:
+        raise PolestarError("give either polestar=PolestarConfig(...) or single Polestar knobs, not both")
+    if (knobs or (polestar is not None and polestar != PolestarConfig())) and decoder != "polestar":
+        names = ", ".join(sorted(knobs)) or "polestar"
+        raise PolestarError(f"{names}: Polestar settings apply to decoder polestar only (decoder is {decoder})")
+    dec.setdefault("cache", "none" if decoder == "llada" else "dual")
+    if decoder == "llada" or dec.get("factor") is not None:
+        dec.setdefault("threshold", None)
+    fixed = decoder == "llada" or ("threshold" in dec and dec["threshold"] is None and dec.get("factor") is None)
+    if dec.get("steps") is not None and not fixed:
+        raise PolestarError("steps applies to the fixed schedule only (decoder llada, or fastdllm with "
+                            "threshold=None)")
+    gen = dec.get("gen_length") or defaults.get("gen_length", 128)
+    if dec.get("block_length") is None:
+        dec["block_length"] = min(defaults.get("block_length", 32), gen)
+    dec["gen_length"] = gen
+    dec["decoder"] = decoder
+    _check_types(dec, DecodeConfig)
+    if polestar is None and family is not None and decoder == "polestar":
+        from polestar_jax.family import FAMILIES
+
+        pc = FAMILIES[family].polestar_config(**_check_types(knobs, PolestarConfig))
+    else:
+        pc = polestar if polestar is not None else PolestarConfig(**_check_types(knobs, PolestarConfig))
+    return DecodeConfig(**dec, polestar=pc)
+
+
+def _check_types(values: dict, cls) -> dict:
+    """One-line errors for values of the wrong type (a string where a number belongs, ...)."""
+    hints = typing.get_type_hints(cls)
+    for name, v in values.items():
+        tp = hints[name]
+        ok = {int: lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool),
+              float: lambda x: isinstance(x, (int, float, np.number)) and not isinstance(x, bool),
+              bool: lambda x: isinstance(x, (bool, np.bool_)),
+              str: lambda x: isinstance(x, str)}
+        base = tp
+        if typing.get_origin(tp) is Union:
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if v is None:
+                continue
+            base = args[0]
+        if isinstance(base, type) and issubclass(base, str):  # str and the configs' modes (str enums)
+            base = str
+        check = ok.get(base)
+        if check is not None and not check(v):
+            raise PolestarError(f"{name} must be {_type_word(base)}, got {v!r}")
+    return values
+
+
+def _type_word(tp) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+@dataclasses.dataclass
+class Generation:
+    """One decoded prompt.
+
+    text            the response: generated ids up to the first end-of-text id, decoded without special tokens
+    token_ids       all ``gen_length`` generated ids
+    response_ids    the ids of ``text``
+    nfe             forwards (network function evaluations) of this row
+    non_eos_tokens  generated ids that are not EOS / pad (TPF's numerator)
+    tpf             non_eos_tokens / nfe
+    tps             tokens/s of the batch this row was decoded in (its rows decode together)
+    row             the row index in the job (its randomness comes from (seed, row))
+    stats           decoder polestar: refresh_steps, early_commits, suffix_commits, windowed_passes; else {}
+    prompt          the prompt text (None when decoded from ids)
+    """
+
+    text: str
+    token_ids: list[int]
+    response_ids: list[int]
+    nfe: int
+    non_eos_tokens: int
+    tpf: float
+    tps: float
+    row: int
+    stats: dict = dataclasses.field(default_factory=dict)
+    prompt: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Generations(Sequence[Generation]):
+    """The rows of one :meth:`Model.generate` call, in prompt order, and the job's totals.
+
+    seconds          decode-loop seconds of all batches (first dispatch to results on the host), compile apart
+    compile_seconds  seconds spent compiling (0 when every executable was already compiled or cached)
+    batches          batches decoded
+    """
+
+    rows: list[Generation]
+    decode: DecodeConfig
+    seconds: float
+    compile_seconds: float
+    batches: int = 1
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __iter__(self) -> Iterator[Generation]:
+        return iter(self.rows)
+
+    @property
+    def texts(self) -> list[str]:
+        return [r.text for r in self.rows]
+
+    @property
+    def nfe(self) -> int:
+        return sum(r.nfe for r in self.rows)
+
+    @property
+    def non_eos_tokens(self) -> int:
+        return sum(r.non_eos_tokens for r in self.rows)
+
+    @property
+    def tpf(self) -> float:
+        """Non-EOS tokens / forwards over the job."""
+        return self.non_eos_tokens / max(1, self.nfe)
+
+    @property
+    def tps(self) -> float:
+        """Non-EOS tokens / decode seconds over the job."""
+        return self.non_eos_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"rows": [r.to_dict() for r in self.rows], "nfe": self.nfe, "non_eos_tokens": self.non_eos_tokens,
+                "tpf": self.tpf, "tps": self.tps, "decode_seconds": self.seconds,
+                "compile_seconds": self.compile_seconds, "batches": self.batches,
+                "decoder": self.decode.decoder, "cache": self.decode.cache, "gen_length": self.decode.gen_length,
+                "block_length": self.decode.block_length}
+
+
+def padded_batches(n: int, batch: int) -> Iterator[tuple[list[int], int]]:
+    """Job rows ``0..n-1`` in batches of exactly ``batch`` rows: ``(rows, n_real)``, the last batch padded
+    with copies of its first row (a padding row computes what that row computes, and is dropped)."""
+    if batch < 1:
+        raise PolestarError(f"batch size must be >= 1, got {batch}")
+    for i in range(0, n, batch):
+        rows = list(range(i, min(n, i + batch)))
+        yield rows + [rows[0]] * (batch - len(rows)), len(rows)
+
+
+class Model:
+    """A loaded model folder: parameters, tokenizer (with its chat template) and generation defaults.
+
+    path:           the folder (HF or converted); None = the bundled ``tiny_tasks`` model
+    dtype:          cast the weights (``"float32"``, ``"bfloat16"``; default: as stored)
+    mesh:           shard over a device mesh: ``"data=2,model=4"`` or a ``jax.sharding.Mesh``; a string first
+                    joins the multi-process runtime the environment describes
+                    (:func:`polestar_jax.sharding.join_runtime`), so the mesh spans every process's devices
+    compile_cache:  turn on the persistent compilation cache (:mod:`polestar_jax.cache`; also off with
+                    ``POLESTAR_JAX_CACHE=off``)
+    """
+
+    def __init__(self, path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
+                 compile_cache: bool = True):
+        from polestar_jax import cli
+        from polestar_jax.tokenizer import bundled_model_dir
+
+        if path is not None:
+            cli.need_folder(str(path))
+        self.path = str(path) if path is not None else bundled_model_dir()
+        self.compile_cache_dir = None
+        if compile_cache:
+            from polestar_jax.cache import enable_compile_cache
+
+            self.compile_cache_dir = enable_compile_cache()
+        from polestar_jax import sharding
+        from polestar_jax.checkpoint import generation_defaults, load_model
+        from polestar_jax.tokenizer import load_tokenizer
+
+        self.defaults = generation_defaults(self.path)
+        if isinstance(mesh, str):  # join a multi-process runtime first (environment / cluster), if any
+            sharding.join_runtime()
+            mesh = sharding.mesh_or_none(mesh)
+        self.mesh = mesh
+        self.config: ModelConfig
+        # with a mesh, each array is built from its shards (a process of a multi-process mesh reads its own)
+        self.config, self.params = load_model(self.path, dtype=dtype, shardings=mesh)
+        self.dtype = dtype
+        self.tokenizer = load_tokenizer(self.path)
+        cfg = self.config
+        #: ids that end a response (EOS, pad, <|eot_id|>)
+        self.stop_ids = frozenset({cfg.eos_token_id, cfg.pad_token_id} |
+                                  ({self.tokenizer.token_to_id(EOT_TOKEN)} - {None}))
+        #: ids TPF does not count (EOS, pad), as bench.run and the paper
+        self.eos_ids = frozenset({cfg.eos_token_id, cfg.pad_token_id})
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, layers={self.config.n_layers}, d_model={self.config.d_model})"
+
+    # ------------------------------------------------------------------------------------------- configs
+    def decode_config(self, polestar: Optional[PolestarConfig] = None, **knobs: Any) -> DecodeConfig:
+        """The :class:`DecodeConfig` :meth:`generate` uses for these knobs (see :func:`decode_config`)."""
+        return decode_config(self.defaults, polestar=polestar, family=self.config.family, **knobs)
+
+    def prompt_ids(self, text: str, chat: bool = True) -> list[int]:
+        """Prompt ids of ``text``: the chat template's rendering of one user turn (``chat=True``, as
+        ``generate`` does), or the text itself (``chat=False``, ``--no-chat``)."""
+        if not isinstance(text, str):
+            raise PolestarError(f"a prompt must be a string, got {type(text).__name__}")
+        return self.tokenizer.chat_prompt_ids(text) if chat else self.tokenizer.encode(text)
+
+    # ------------------------------------------------------------------------------------------- decoding
+    def generate(self, prompts: Union[str, Sequence[str]], *, seed: int = 0, chat: bool = True,
+                 batch_size: Optional[int] = None, polestar: Optional[PolestarConfig] = None,
+                 **knobs: Any) -> Generations:
+        """Decodes ``prompts`` (a string or a list of strings) and returns their :class:`Generations`.
+
+        seed:        the job seed; prompt i's randomness comes from (seed, i)
+        chat:        render each prompt with the chat template (default) or encode it as it is
+        batch_size:  decode in batches of this many rows (the last one padded) at one prompt slot; default:
+                     all prompts in one batch
+        knobs:       decoder settings by field name (``decoder="fastdllm"``, ``threshold=0.8``,
+                     ``gen_length=64``, ``top_k=2``, ...; see :func:`decode_config`)
+        """
+        single = isinstance(prompts, str)
+        texts = [prompts] if single else list(prompts)
+        if not texts:
+            raise PolestarError("no prompt given")
+        for i, p in enumerate(texts):
+            if not isinstance(p, str) or not p.strip():
+                raise PolestarError(f"prompt {i} is empty" if isinstance(p, str) else
+                                    f"prompt {i} is not a string ({type(p).__name__})")
+        dcfg = self.decode_config(polestar=polestar, **knobs)
+        ids = [self.prompt_ids(p, chat) for p in texts]
+        return self.generate_ids(ids, dcfg, seed=seed, batch_size=batch_size, prompts=texts)
+
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], dcfg: DecodeConfig, *, seed: int = 0,
+                     rows: Optional[Sequence[int]] = None, batch_size: Optional[int] = None,
+                     prompt_slot: Optional[int] = None, pad_multiple: int = 16,
+                     prompts: Optional[Sequence[str]] = None) -> Generations:
+        """Decodes token-id prompts with ``dcfg``. ``rows``: each prompt's row index in the job (default
+        ``0..n-1``; its randomness comes from (seed, row)). ``prompt_slot``: the padded prompt length of
+        every batch (default: the longest prompt rounded up to ``pad_multiple``), so batches share one
+        executable."""
+        from polestar_jax.engine import generate
+
+        n = len(prompt_ids)
+        if n == 0:
+            raise PolestarError("no prompt given")
+        rows = list(range(n)) if rows is None else [int(r) for r in rows]
+        if len(rows) != n:
+            raise PolestarError(f"rows has {len(rows)} entries for {n} prompts")
+        slot = prompt_slot or pad_multiple * math.ceil(max(len(p) for p in prompt_ids) / pad_multiple)
+        out: list[Optional[Generation]] = [None] * n
+        seconds = compile_seconds = 0.0
+        batches = 0
+        for idx, n_real in padded_batches(n, batch_size or n):
+            res = generate(self.params, self.config, [prompt_ids[i] for i in idx], dcfg, seed=seed,
+                           rows=[rows[i] for i in idx], prompt_slot=slot, mesh=self.mesh)
+            seconds += res.seconds
+            compile_seconds += res.compile_seconds
+            batches += 1
+            rows_out = [self._row(res, r, rows[idx[r]], prompts[idx[r]] if prompts else None)
+                        for r in range(n_real)]
+            tokens = sum(g.non_eos_tokens for g in rows_out)
+            tps = tokens / res.seconds if res.seconds > 0 else 0.0
+            for r, g in enumerate(rows_out):
+                g.tps = tps
+                out[idx[r]] = g
+        return Generations(rows=out, decode=dcfg, seconds=seconds, compile_seconds=compile_seconds,  # type: ignore[arg-type]
+                           batches=batches)
+
+    def _row(self, res, r: int, row: int, prompt: Optional[str]) -> Generation:
+        gen = [int(t) for t in res.tokens[r]]
+        resp = []
+        for t in gen:
+            if t in self.stop_ids:
+                break
+            resp.append(t)
+        non_eos = sum(1 for t in gen if t not in self.eos_ids)
+        nfe = int(res.nfe[r])
+        stats = {}
+        if res.polestar is not None:
+            stats = polestar_stats(res.polestar, r)
+        return Generation(text=self.tokenizer.decode(resp), token_ids=gen, response_ids=resp, nfe=nfe,
+                          non_eos_tokens=non_eos, tpf=non_eos / nfe if nfe else 0.0, tps=0.0, row=row,
+                          stats=stats, prompt=prompt)
+
+
+def polestar_stats(ps: Mapping[str, Any], r: int) -> dict:
+    """Row ``r``'s Polestar counters from :attr:`GenerateResult.polestar`: refresh steps, early and suffix
+    commits, windowed block starts."""
+    def total(*names):
+        for n in names:
+            if n in ps:
+                return int(np.asarray(ps[n])[r].sum())
+        return 0
+
+    return {"refresh_steps": total("refresh_steps", "cluster_steps"), "early_commits": total("early"),
+            "suffix_commits": total("suffix"), "windowed_passes": total("windowed", "efficient")}
+
+
+def load(path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
+         compile_cache: bool = True) -> Model:
+    """Loads a model folder (None: the bundled ``tiny_tasks`` model); see :class:`Model`."""
+    return Model(path, dtype=dtype, mesh=mesh, compile_cache=compile_cache)

@@ -1,0 +1,90 @@
+"""The model interface the block program calls: what a model family provides to every decoder.
+
+A family is a set of pure functions over its parameter pytree (see :mod:`polestar_jax.model` for LLaDA):
+
+* ``embed(params, ids)`` -> h [b, T, D];
+* ``forward(params, ids, cfg, q_pos, key_pos, key_valid, cache=, start=, write=, unroll=)``: all layers;
+* ``layer(lp, h, cfg, q_rope, k_rope, key_valid, write=, keys=, return_probs=)`` -> ``model.LayerOut``:
+  the one transformer layer every pass runs (:func:`polestar_jax.model.layer`);
+* ``project_q`` / ``project_kv``: the layer's query and key/value halves (Polestar's refresh stages and
+  proxy queries use them);
+* ``lm_head(params, h, cfg)`` -> float32 logits;
+* ``cache_shape(cfg, b, L)``: the K/V cache layout of one layer stack (KV heads, not expanded heads);
+* ``logit_shift``: which row of a forward's input span predicts a position: 0 (LLaDA: row p predicts p)
+  or 1 (row p-1 predicts p; the span's first row predicts its own position too). :meth:`Family.head_at`
+  applies it, so no decoder needs to know which family it runs.
+
+A second family is a new model module and one :data:`FAMILIES` entry; its config names it in
+``ModelConfig.family``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from polestar_jax import model as M
+from polestar_jax import model_dream as MD
+from polestar_jax.config import ModelConfig
+from polestar_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    embed: Callable[..., jax.Array]
+    layer: Callable[..., Any]
+    forward: Callable[..., Any]  # all layers (model.forward's signature)
+    project_q: Callable[..., jax.Array]
+    project_kv: Callable[..., tuple]
+    lm_head: Callable[..., jax.Array]
+    logit_shift: int = 0
+    #: PolestarConfig fields in which this family's official Polestar code differs from the defaults
+    #: (LLaDA's): ``(name, value)`` pairs, applied by :meth:`polestar_config`.
+    polestar_defaults: tuple = ()
+
+    def polestar_config(self, **given):
+        """The :class:`~polestar_jax.config.PolestarConfig` of this family's official Polestar code, with the
+        fields in ``given`` overriding it."""
+        from polestar_jax.config import PolestarConfig
+
+        return PolestarConfig(**{**dict(self.polestar_defaults), **given})
+
+    def cache_shape(self, cfg: ModelConfig, b: int, length: int) -> tuple[int, ...]:
+        """[N, b, KV, L, hd]: K (or V) of every layer, un-rotated."""
+        return (cfg.n_layers, b, cfg.n_kv_heads, length, cfg.head_dim)
+
+    def head_at(self, params, h: jax.Array, cfg: ModelConfig, start, length: int) -> jax.Array:
+        """Logits [b, length, V] predicting positions ``start .. start+length-1`` of a forward's input span
+        ``h`` [b, T, D] (positions relative to the span), with the family's logit alignment."""
+        rows = jnp.clip(start + jnp.arange(length) - self.logit_shift, 0, h.shape[1] - 1)
+        if self.logit_shift == 0:
+            return self.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, length, axis=1), cfg)
+        return self.lm_head(params, jnp.take(h, rows, axis=1), cfg)
+
+
+LLADA = Family(name="llada", embed=M.embed, layer=M.layer, forward=M.forward, project_q=M.project_q,
+               project_kv=M.project_kv, lm_head=M.lm_head, logit_shift=0)
+
+#: Dream (Qwen2 layout, q/k/v biases; :mod:`polestar_jax.model_dream`): trained autoregressively, so row
+#: ``p-1`` of a forward's input span predicts position ``p`` (the span's first row also predicts itself).
+#: Its official Polestar path clusters a fixed 64 rows back / 32 ahead in full passes, scores clusters with a
+#: head-averaged proxy attention, patches K/V with the clustered rows only, and its ``torch.topk`` ranks the
+#: two block positions that share a logits row later-first (``docs/algorithm.md#dream``).
+DREAM = Family(name="dream", embed=MD.embed, layer=MD.layer, forward=MD.forward, project_q=MD.project_q,
+               project_kv=MD.project_kv, lm_head=MD.lm_head, logit_shift=1,
+               polestar_defaults=(("full_prefix_rows", 64), ("full_suffix_rows", 32), ("proxy_score", "mean"),
+                                  ("patch_kv", "clustered"), ("tie_break", "shared_row")))
+
+#: ``ModelConfig.family`` -> its :class:`Family`.
+FAMILIES = {"llada": LLADA, "dream": DREAM}
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The :class:`Family` of ``cfg``; a one-line :class:`ConfigError` for an unknown one."""
+    name = getattr(cfg, "family", "llada")
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family {name!r} (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]

@@ -1,0 +1,103 @@
+"""Polestar's block-start forward: a full pass (or, every ``windowed_period``-th block, a pass over the
+refresh window only) that writes the K/V cache, stores and clusters every layer's refresh-window inputs,
+and keeps the proxy attention of the centroids (``s_prev``) and the last layer's block attention rows
+(``p_prev``) for the drift of the next step (see ``docs/algorithm.md#block-start``)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from polestar_jax import cluster as C
+from polestar_jax import drift as Dr
+from polestar_jax import model as M
+from polestar_jax import offload as OF
+from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.family import family_of
+from polestar_jax.kernels.refresh import scatter_kv_rows
+from polestar_jax.polestar_state import Geometry, rows_at
+from polestar_jax.state import DecodeState
+
+
+class StartOut(NamedTuple):
+    k: jax.Array  # [N, b, KV, L, hd]
+    v: jax.Array
+    hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.offload), host memory when offloaded
+    hs_scale: jax.Array  # [N, b, R]
+    clusters: C.Clusters  # leaves [N, b, ...]
+    s_prev: jax.Array  # [N, b, H, K, L] (H = 1 with proxy_score "mean")
+    p_prev: jax.Array  # [b, H, B, L]
+    logits: jax.Array  # [b, B, V]
+
+
+class PassRows(NamedTuple):
+    """Which rows a block-start pass computes (the full sequence, or the window)."""
+
+    ids: jax.Array  # [b, T] tokens of the query rows
+    q_pos: jax.Array  # [b, T] their RoPE positions
+    block_offset: jax.Array  # [] where the block starts among the query rows
+    store_rows: jax.Array  # [R] query-row index of each refresh row
+    write_idx: jax.Array  # [b, T] cache positions of the query rows (windowed pass)
+    write_valid: jax.Array  # [b, T] which of them exist
+
+
+class StartLayerIn(NamedTuple):
+    """The layer-scan inputs of the block-start pass."""
+
+    lp: dict
+    k_cache: jax.Array  # [b, KV, L, hd] (windowed pass) or None
+    v_cache: jax.Array
+    draws_pre: C.KMeansDraws
+    draws_suf: C.KMeansDraws
+
+
+def pass_rows(state: DecodeState, geo: Geometry, pc: PolestarConfig, block: int, windowed: bool) -> PassRows:
+    length, b = state.x.shape[1], state.x.shape[0]
+    if not windowed:
+        q_abs = jnp.arange(length)
+        none = jnp.zeros((b, length), bool)
+        return PassRows(state.x, rows_at(state.pos, q_abs), geo.cs, geo.ref_pos, none.astype(jnp.int32), none)
+    pre, suf = pc.pass_window(block, True)
+    q_abs = geo.cs - pre + jnp.arange(pre + block + suf)  # window positions
+    pad = -state.pos[:, 0]
+    valid = (q_abs[None] >= pad[:, None]) & ((q_abs >= 0) & (q_abs < length))[None]
+    # query row of each store row (store rows outside this pass's window are not valid in ``geo``)
+    store_rows = jnp.clip(geo.ref_pos - (geo.cs - pre), 0, pre + block + suf - 1)
+    return PassRows(rows_at(state.x, q_abs), rows_at(state.pos, q_abs), jnp.int32(pre), store_rows,
+                    jnp.broadcast_to(q_abs, valid.shape).astype(jnp.int32), valid)
+
+
+def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+               windowed: bool, draws: tuple[C.KMeansDraws, C.KMeansDraws], unroll: int | bool = 1) -> StartOut:
+    """The block-start forward: full sequence (``windowed=False``) or the window only (``windowed=True``,
+    keys outside the window stay as cached)."""
+    pre = pc.prefix_rows(block)
+    b, length = state.x.shape
+    rows = pass_rows(state, geo, pc, block, windowed)
+    fam = family_of(cfg)
+    q_rope, k_rope = M.Rope.at(rows.q_pos, cfg), M.Rope.at(state.pos, cfg)
+
+    def layer(carry, xs: StartLayerIn):
+        h, _ = carry
+        hs = rows_at(h, rows.store_rows)  # [b, R, D]
+        cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: C.cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
+                                                                      pc.kmeans_iters))(
+            hs[:, :pre], geo.pre_len, hs[:, pre:], geo.suf_len, xs.draws_pre, xs.draws_suf)
+        write = None
+        if windowed:
+            write = lambda k, v: (scatter_kv_rows(xs.k_cache, k, rows.write_idx, rows.write_valid, backend=pc.kernels),
+                                  scatter_kv_rows(xs.v_cache, v, rows.write_idx, rows.write_valid, backend=pc.kernels))
+        out = fam.layer(xs.lp, h, cfg, q_rope, k_rope, state.key_valid, write=write, return_probs=True)
+        p_blk = lax.dynamic_slice_in_dim(out.probs, rows.block_offset, block, axis=2)  # kept from the last layer
+        s = Dr.proxy_attention(xs.lp, cl.centroids, out.keys.k, cfg, state.key_valid, pc.proxy_score)
+        stored, scale = OF.encode(hs, pc)
+        return (out.h, p_blk), (out.keys.k, out.keys.v, OF.to_host(stored, pc), OF.to_host(scale, pc), cl, s)
+
+    k0, v0 = (state.k_cache, state.v_cache) if windowed else (None, None)
+    p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
+    xs = StartLayerIn(params["blocks"], k0, v0, *draws)
+    (h, p_blk), (kk, vv, hs, hs_sc, cl, s) = lax.scan(layer, (fam.embed(params, rows.ids), p0), xs, unroll=unroll)
+    logits = fam.head_at(params, h, cfg, rows.block_offset, block)
+    return StartOut(kk, vv, hs, hs_sc, cl, s, p_blk, logits)

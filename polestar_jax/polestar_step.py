@@ -1,0 +1,337 @@
+"""Polestar's decode-step forward: the block against the cache, and (on refresh steps) the sparse refresh
+of the refresh window's top-drift clusters in the same layer pass.
+
+A refreshing layer runs three stages, each over the compacted rows it needs, at the smallest compiled
+width that holds them (:mod:`polestar_jax.compaction`):
+
+1. :func:`patch_packet`: the *packet* (rows the previous layer recomputed): their stored inputs are read
+   (for the centroid shift) and overwritten with the new ones, and their K/V are projected with the block's
+   and written into the cache (only the store traffic is compacted here);
+2. :func:`select_clusters` + :func:`fetch_selected`: the cluster drift of the shifted centroids against that
+   cache selects the top clusters; the stored inputs of the selected rows not yet on the device are read;
+3. :func:`refresh_rows`: the block rows and the selected rows go through the rest of the layer (Q,
+   attention, MLP); the selected rows' outputs are the next layer's packet.
+
+Every weight matrix is read once per layer; only the rows of stages 1 and 2 move from the store. See
+``docs/algorithm.md#the-refresh-step``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from polestar_jax import commit as R
+from polestar_jax import compaction as CP
+from polestar_jax import drift as Dr
+from polestar_jax import model as M
+from polestar_jax import offload as OF
+from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.family import Family, family_of
+from polestar_jax.kernels.kl_drift import kl_drift
+from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
+from polestar_jax.polestar_state import Geometry, rows_at
+from polestar_jax.state import DecodeState
+
+#: Low mantissa bits dropped from cluster scores before ranking: scores are compared at a relative
+#: precision of 2**-15 (~3e-5).
+SCORE_ROUND_BITS = 8
+
+
+def round_scores(scores: jax.Array, bits: int = SCORE_ROUND_BITS) -> jax.Array:
+    """float32 ``scores`` rounded to nearest with the ``bits`` lowest mantissa bits cleared (infinities kept).
+
+    Clusters made of identical rows (e.g. all-[MASK] suffix rows at layer 0) have mathematically equal drift
+    scores, but float rounding makes them differ in the last bits, and *how* depends on the shapes XLA
+    blocks the matmuls for (batch size, backend): without this, a row's refresh choice -- and so its tokens
+    -- could change with the batch it is decoded in (docs/differences.md#d3). Within one rounding bucket the
+    lowest index wins, as for exact ties."""
+    x = scores.astype(jnp.float32)
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    half, mask = jnp.uint32(1 << (bits - 1)), jnp.uint32((0xFFFFFFFF >> bits) << bits)
+    r = lax.bitcast_convert_type((u + half) & mask, jnp.float32)
+    return jnp.where(jnp.isfinite(x), r, x)
+
+
+def top_clusters(scores: jax.Array, n_valid: jax.Array, m) -> jax.Array:
+    """The ``min(m, n_valid)`` highest scores [b, K] as a mask; scores are compared after
+    :func:`round_scores`, and ties go to the lowest index."""
+    k = scores.shape[-1]
+    valid = jnp.arange(k)[None, :] < n_valid[:, None]
+    sc = jnp.where(valid, round_scores(scores), -jnp.inf)
+    rank = R.rank_desc(sc)
+    return valid & (rank < jnp.minimum(m, n_valid)[:, None])
+
+
+class StepForwardOut(NamedTuple):
+    k: jax.Array
+    v: jax.Array
+    hs: jax.Array
+    hs_scale: jax.Array
+    centroids: jax.Array
+    s_prev: jax.Array
+    p_blk: jax.Array  # [b, H, B, L]
+    drift: jax.Array  # [b, B]
+    logits: jax.Array  # [b, B, V]
+    logits_suf: jax.Array  # [b, Ws, V]
+    sel_suf: jax.Array  # [b, Ws] bool rows of the last layer's packet in the suffix window
+    scores: jax.Array  # [N, b, K]
+    selected: jax.Array  # [N, b, K]
+    own: jax.Array  # [N, b, K]
+    n_rows: jax.Array  # [N, b]
+    moved_rows: jax.Array  # [N, b] store rows moved to the device (stage widths 1 + 2; 0 without refresh)
+
+
+class StepCtx(NamedTuple):
+    """What every layer of one step shares (built once per step)."""
+
+    cfg: ModelConfig
+    fam: Family
+    pc: PolestarConfig
+    block: int
+    geo: Geometry
+    key_valid: jax.Array  # [b, L]
+    k_rope: M.Rope  # all L keys
+    blk_pos: jax.Array  # [b, B] RoPE positions of the block rows
+    blk_rope: M.Rope  # their tables
+    ref_idx: jax.Array  # [b, R] cache positions of the window rows
+    ref_qpos: jax.Array  # [b, R] their RoPE positions
+    cluster_rows: jax.Array  # [b] rows that refresh in this step
+    widths: tuple  # compiled stage widths (compaction.widths)
+
+    @property
+    def rows(self) -> int:
+        return self.geo.ref_pos.shape[0]
+
+
+class Carry(NamedTuple):
+    """The layer-scan carry: block rows, the packet (rows recomputed by the previous layer), and the last
+    layer's block queries and rotated keys (for the token drift)."""
+
+    h_blk: jax.Array  # [b, B, D]
+    pk_h: jax.Array  # [b, R, D]
+    pk_valid: jax.Array  # [b, R] bool
+    q_blk: jax.Array  # [b, H, B, hd]
+    k_rot: jax.Array  # [b, KV, L, hd]
+
+
+class LayerIn(NamedTuple):
+    """The layer-scan inputs (leading axis: layers)."""
+
+    lp: dict
+    k_cache: jax.Array  # [b, KV, L, hd]
+    v_cache: jax.Array
+    store: tuple  # (hs [b, R, D], hs_scale [b, R]) on refresh steps, () otherwise
+    labels: jax.Array  # [b, R]
+    centroids: jax.Array  # [b, K, D]
+    counts: jax.Array  # [b, K]
+    n_clusters: jax.Array  # [b]
+    s_prev: jax.Array  # [b, H, K, L] (H = 1 with proxy_score "mean")
+    forced_sel: jax.Array  # [b, K] replayed selections
+    forced_has: jax.Array  # [b] whether a selection is replayed
+    index: jax.Array  # [] layer number
+
+
+class LayerOutputs(NamedTuple):
+    """What each layer hands to the scan's outputs (leading axis: layers after the scan)."""
+
+    k: jax.Array
+    v: jax.Array
+    store: tuple
+    centroids: jax.Array
+    s_prev: jax.Array
+
+
+class LayerStats(NamedTuple):
+    scores: jax.Array  # [b, K] cluster drift (-inf on invalid slots)
+    selected: jax.Array  # [b, K] refreshed clusters
+    own: jax.Array  # [b, K] what this implementation chose (differs from ``selected`` only in replay)
+    n_rows: jax.Array  # [b] rows recomputed
+    n_read: jax.Array  # [] stage-1 width
+    n_fetch: jax.Array  # [] stage-2 width
+
+
+def _write_block(ctx: StepCtx, xs: LayerIn):
+    return M.slice_write((xs.k_cache, xs.v_cache), ctx.geo.cs)
+
+
+def plain_layer(ctx: StepCtx, carry: Carry, xs: LayerIn) -> tuple[Carry, tuple]:
+    """A layer of a step without refresh: the block rows only."""
+    out = ctx.fam.layer(xs.lp, carry.h_blk, ctx.cfg, ctx.blk_rope, ctx.k_rope, ctx.key_valid, write=_write_block(ctx, xs))
+    b, kdim = carry.h_blk.shape[0], ctx.pc.n_clusters
+    no = jnp.zeros((b, kdim), bool)
+    stats = LayerStats(jnp.full((b, kdim), -jnp.inf), no, no, jnp.zeros((b,), jnp.int32), jnp.int32(0), jnp.int32(0))
+    return (carry._replace(h_blk=out.h, q_blk=out.q_rot, k_rot=out.keys.k_rot),
+            (LayerOutputs(out.keys.k, out.keys.v, (), xs.centroids, xs.s_prev), stats))
+
+
+class Packet(NamedTuple):
+    """Stage 1's results."""
+
+    store: tuple  # the store with the packet rows rewritten
+    got: jax.Array  # [b, R, D] stored inputs read (on the rows stage 1 moved)
+    have: jax.Array  # [b, R] rows stage 1 moved
+    centroids: jax.Array  # [b, K, D] shifted centroids
+    k: jax.Array  # [b, KV, L, hd] cache with the block's and the packet's K/V
+    v: jax.Array
+    n_read: jax.Array  # [] width of the store read
+
+
+def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
+    """Stage 1: the packet rows' stored inputs are read (old values: the centroid shift) and replaced by the
+    new ones where clustered here, and their K/V join the block's in the cache (docs/differences.md#d21). Only the
+    store traffic is compacted: the K/V projection and the shift run over all R rows, masked, so each width
+    branch is small."""
+    patch = carry.pk_valid & (xs.labels >= 0)
+    r_rows, pc = ctx.rows, ctx.pc
+
+    def stage(w):
+        def run():
+            if w == 0:
+                return xs.store, jnp.zeros_like(carry.pk_h), jnp.zeros_like(carry.pk_valid)
+            idx, val = CP.compact(carry.pk_valid, w)
+            ones = jnp.ones_like(val)
+            # the w rows move whole (padding rows too: they are distinct real rows), and stage 2 reuses them
+            got = OF.fetch_rows(xs.store[0], xs.store[1], idx, ones, pc, dt)
+            new_store = OF.write_rows(xs.store[0], xs.store[1], idx, CP.take_rows(patch, idx) & val,
+                                      CP.take_rows(carry.pk_h, idx), pc)
+            return new_store, CP.spread_rows(got, idx, ones, r_rows), CP.spread_rows(ones, idx, ones, r_rows)
+        return run
+
+    n_pk = jnp.sum(carry.pk_valid, axis=1)
+    store, got, have = CP.by_width(n_pk, ctx.widths, stage)
+    # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
+    old = jnp.where(patch[..., None], got, jnp.zeros((), dt))
+    cent = centroid_shift(xs.centroids, xs.labels, xs.counts, patch, old, carry.pk_h, backend=pc.kernels)
+    k, v = ctx.fam.project_kv(xs.lp, jnp.concatenate([carry.h_blk, carry.pk_h], axis=1), ctx.cfg)
+    kk, vv = _write_block(ctx, xs)(k[:, :, :ctx.block], v[:, :, :ctx.block])
+    # K/V of every packet row (LLaDA), or only of those clustered here, as the store patch (Dream)
+    wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
+    kk = scatter_kv_rows(kk, k[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
+    vv = scatter_kv_rows(vv, v[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
+    return Packet(store, got, have, cent, kk, vv, CP.chosen_width(n_pk, ctx.widths))
+
+
+class Selection(NamedTuple):
+    scores: jax.Array  # [b, K]
+    s_new: jax.Array  # [b, H, K, L] proxy attention now
+    chosen: jax.Array  # [b, K] clusters refreshed (replayed where forced)
+    own: jax.Array  # [b, K] this implementation's choice
+    rows: jax.Array  # [b, R] refresh rows selected
+
+
+def select_clusters(ctx: StepCtx, xs: LayerIn, pk: Packet) -> Selection:
+    """The cluster drift of the (shifted) centroids against the updated cache, and the top clusters."""
+    kdim = ctx.pc.n_clusters
+    qc, kc = Dr.proxy_inputs(xs.lp, pk.centroids, pk.k, ctx.cfg, ctx.pc.proxy_score)
+    score, s = kl_drift(qc, kc, ctx.key_valid, xs.s_prev, mode="cluster", backend=ctx.pc.kernels)
+    score = jnp.where(jnp.arange(kdim)[None] < xs.n_clusters[:, None], score, -jnp.inf)
+    m = jnp.where(xs.index == ctx.cfg.n_layers - 1, ctx.pc.top_k_last, ctx.pc.top_k)
+    own = top_clusters(score, xs.n_clusters, m)
+    chosen = jnp.where(xs.forced_has[:, None], xs.forced_sel, own) & ctx.cluster_rows[:, None]
+    rows = (xs.labels >= 0) & jnp.take_along_axis(chosen, jnp.clip(xs.labels, 0, kdim - 1), axis=1)
+    return Selection(score, s, chosen, own, rows)
+
+
+def fetch_selected(ctx: StepCtx, carry: Carry, xs: LayerIn, pk: Packet, sel: Selection, dt):
+    """Stage 2: the stored inputs of the selected rows that are neither in the packet (theirs are ``pk_h``)
+    nor among the rows stage 1 moved. At most R - w1 rows are missing (w1 = stage 1's width), and that is a
+    width here too, so the two stages never move more than R rows per layer. Returns (inputs [b, R, D] of
+    the selected rows, width read)."""
+    need = sel.rows & ~carry.pk_valid & ~pk.have
+
+    def stage(w):
+        def run():
+            if w == 0:
+                return jnp.zeros_like(carry.pk_h)
+            idx, val = CP.compact(need, w)
+            rows = OF.fetch_rows(xs.store[0], xs.store[1], idx, val, ctx.pc, dt)
+            return CP.spread_rows(rows, idx, val, ctx.rows)
+        return run
+
+    n_need, ws2 = jnp.sum(need, axis=1), CP.complement_widths(ctx.widths, ctx.rows)
+    fetched = CP.by_width(n_need, ws2, stage)
+    inputs = jnp.where(carry.pk_valid[..., None], carry.pk_h,
+                       jnp.where(pk.have[..., None], pk.got, fetched))
+    return inputs, CP.chosen_width(n_need, ws2)
+
+
+def refresh_rows(ctx: StepCtx, xs: LayerIn, h_blk, inputs, sel_rows, keys: M.Keys):
+    """Stage 3: the rest of the layer for the block rows and the selected rows (compacted). Returns the
+    block rows' output [b, B, D], the selected rows' output spread to [b, R, D], the block queries."""
+
+    def stage(w):
+        def run():
+            idx, val = CP.compact(sel_rows, w)
+            rows = jnp.concatenate([h_blk, CP.take_rows(inputs, idx)], axis=1)
+            q_rope = M.Rope.at(jnp.concatenate([ctx.blk_pos, CP.take_rows(ctx.ref_qpos, idx)], axis=1), ctx.cfg)
+            out = ctx.fam.layer(xs.lp, rows, ctx.cfg, q_rope, ctx.k_rope, ctx.key_valid, keys=keys)
+            return out.h[:, :ctx.block], CP.spread_rows(out.h[:, ctx.block:], idx, val, ctx.rows), \
+                out.q_rot[:, :, :ctx.block]
+        return run
+
+    # (no width-0 branch here: a layer that selects nothing in the whole batch is rare, and each branch of
+    # this stage compiles the whole attention + MLP)
+    return CP.by_width(jnp.sum(sel_rows, axis=1), ctx.widths[1:], stage)
+
+
+def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> tuple[Carry, tuple]:
+    """A layer of a refresh step: stages 1-3 (see the module docstring)."""
+    pk = patch_packet(ctx, carry, xs, dt)
+    sel = select_clusters(ctx, xs, pk)
+    s_prev = jnp.where(ctx.cluster_rows[:, None, None, None], sel.s_new, xs.s_prev)
+    inputs, n_fetch = fetch_selected(ctx, carry, xs, pk, sel, dt)
+    keys = M.Keys(pk.k, pk.v, ctx.k_rope.rotate(pk.k))  # (rotated once, outside the stage branches)
+    out_blk, pk_out, q_blk = refresh_rows(ctx, xs, carry.h_blk, inputs, sel.rows, keys)
+    stats = LayerStats(sel.scores, sel.chosen, sel.own & ctx.cluster_rows[:, None],
+                       jnp.sum(sel.rows, axis=1).astype(jnp.int32), pk.n_read, n_fetch)
+    return (Carry(out_blk, pk_out, sel.rows, q_blk, keys.k_rot),
+            (LayerOutputs(pk.k, pk.v, pk.store, pk.centroids, s_prev), stats))
+
+
+def step_ctx(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+             cluster_rows: jax.Array) -> StepCtx:
+    blk_pos = rows_at(state.pos, geo.cs + jnp.arange(block))
+    return StepCtx(cfg, family_of(cfg), pc, block, geo, state.key_valid, M.Rope.at(state.pos, cfg), blk_pos, M.Rope.at(blk_pos, cfg),
+                   jnp.broadcast_to(geo.ref_pos, geo.ref_valid.shape).astype(jnp.int32),
+                   rows_at(state.pos, geo.ref_pos), cluster_rows, CP.widths(pc, pc.window_rows(block)))
+
+
+def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+                 refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]],
+                 unroll: int | bool = 1) -> StepForwardOut:
+    """One decode-step forward of the block against the cache; with ``refresh`` the sparse refresh of
+    the rows of the top-drift clusters runs in the same layer pass (for rows with ``cluster_rows`` [b])."""
+    pol, b, n_layers = state.polestar, state.x.shape[0], cfg.n_layers
+    pre, suf = pc.prefix_rows(block), pc.suffix_rows(block)
+    ctx = step_ctx(state, geo, cfg, pc, block, cluster_rows)
+    fam = ctx.fam
+    h_blk0 = fam.embed(params, rows_at(state.x, geo.cs + jnp.arange(block)))
+    dt = h_blk0.dtype
+    carry0 = Carry(h_blk0, jnp.zeros((b, pre + suf, cfg.d_model), dt), jnp.zeros((b, pre + suf), bool),
+                   jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), dt), jnp.zeros_like(state.k_cache[0]))
+    if forced is None:
+        forced = (jnp.zeros((n_layers, b, pc.n_clusters), bool), jnp.zeros((n_layers, b), bool))
+    # the store enters the layer scan only when it is read (a step without refresh leaves it where it is)
+    store = (pol.hs, pol.hs_scale) if refresh else ()
+    xs = LayerIn(params["blocks"], state.k_cache, state.v_cache, store, pol.labels, pol.centroids, pol.counts,
+                 pol.n_clusters, pol.s_prev, forced[0], forced[1], jnp.arange(n_layers))
+    body = (lambda c, x: refresh_layer(ctx, c, x, dt)) if refresh else (lambda c, x: plain_layer(ctx, c, x))
+    carry, (outs, stats) = lax.scan(body, carry0, xs, unroll=unroll)
+    hs, hs_scale = outs.store if refresh else (pol.hs, pol.hs_scale)
+    drift, p_blk = kl_drift(carry.q_blk, carry.k_rot, state.key_valid, pol.p_prev, mode="token", backend=pc.kernels)
+    logits = fam.head_at(params, carry.h_blk, cfg, 0, block)
+    if refresh and suf:  # (the refreshed rows predict their own positions)
+        logits_suf, sel_suf = fam.lm_head(params, carry.pk_h[:, pre:], cfg), carry.pk_valid[:, pre:]
+    else:
+        logits_suf = jnp.zeros((b, suf, logits.shape[-1]), jnp.float32)
+        sel_suf = jnp.zeros((b, suf), bool)
+    moved = jnp.where(cluster_rows[None, :], (stats.n_read + stats.n_fetch)[:, None], 0).astype(jnp.int32)
+    return StepForwardOut(outs.k, outs.v, hs, hs_scale, outs.centroids, outs.s_prev, p_blk, drift, logits,
+                          logits_suf, sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved)
+
+
+__all__ = ["StepForwardOut", "step_forward", "round_scores", "top_clusters", "patch_packet", "select_clusters",
+           "fetch_selected", "refresh_rows", "plain_layer", "refresh_layer", "Carry", "LayerIn", "LayerStats"]
