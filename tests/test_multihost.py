@@ -161,8 +161,8 @@ def test_two_processes_decode_like_one_device(subprocess_env, capsys, polestar_s
     cmds.append(["generate", "--prompt", " ", "--mesh", "data=2,model=2"])  # bad input: status 2 everywhere
     argv = [sys.executable, "-c", _WORKER, json.dumps(cmds)]
     t0 = time.monotonic()
-    (rc0, out0, err0), (rc1, out1, err1) = _launch(dict(subprocess_env, POLESTAR_JAX_CACHE=os.environ["POLESTAR_JAX_CACHE"]), [argv, argv],
-                                                   devices=2, timeout=PAIR_TIMEOUT_S)
+    env = dict(subprocess_env, POLESTAR_JAX_CACHE=os.environ["POLESTAR_JAX_CACHE"])
+    (rc0, out0, err0), (rc1, out1, err1) = _launch(env, [argv, argv], devices=2, timeout=PAIR_TIMEOUT_S)
     seconds = time.monotonic() - t0
     assert rc0 == rc1 == 2, (rc0, rc1, err0[-3000:], err1[-3000:])
     assert _tagged(err0, "RCS") == _tagged(err1, "RCS") == [0] * (len(cmds) - 1) + [2]
