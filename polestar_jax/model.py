@@ -159,6 +159,9 @@ def layer(
     write: Optional[Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]] = None,
     keys: Optional[Keys] = None,
     return_probs: bool = False,
+    *,
+    q_proj: Callable[..., jax.Array] = None,
+    kv_proj: Callable[..., tuple] = None,
 ) -> LayerOut:
     """THE transformer layer, for query rows ``h`` [b, T, D] at RoPE tables ``q_rope``; every pass runs it
     (full forward, cached steps, Polestar's block starts and refresh stages).
@@ -167,14 +170,16 @@ def layer(
     without ``write`` the rows are the whole sequence (T == L); ``write(k, v)`` places the rows' fresh K/V
     [b, KV, T, hd] into the cache and returns the layer's full K/V [b, KV, L, hd] (a slice update, a row
     scatter, ...). Then the queries attend over all L keys (rotated with ``k_rope``) and the output
-    projection and SwiGLU MLP finish the layer.
+    projection and SwiGLU MLP finish the layer. ``q_proj`` / ``kv_proj``: the family's query and key/value
+    projections (default: LLaDA's :func:`project_q` / :func:`project_kv`; Dream adds biases).
     """
+    q_proj, kv_proj = q_proj or project_q, kv_proj or project_kv
     if keys is None:
-        k, v = project_kv(lp, h, cfg)
+        k, v = kv_proj(lp, h, cfg)
         if write is not None:
             k, v = write(k, v)
         keys = Keys(k, v, k_rope.rotate(k))
-    q_rot = q_rope.rotate(project_q(lp, h, cfg))
+    q_rot = q_rope.rotate(q_proj(lp, h, cfg))
     att = attention(q_rot, keys.k_rot, keys.v, key_valid, return_probs=return_probs)
     a, probs = att if return_probs else (att, None)
     return LayerOut(finish_layer(lp, h, a, cfg), keys, q_rot, probs)
@@ -227,8 +232,10 @@ def forward(
     write: Optional[jax.Array] = None,
     collect_hidden: bool = False,
     unroll: int | bool = 1,
+    *,
+    layer_fn: Optional[Callable[..., LayerOut]] = None,
 ) -> ForwardOut:
-    """All layers (under ``lax.scan``, ``unroll`` as there) for the query tokens ``ids`` [b, T] at RoPE
+    """All layers (under ``lax.scan``, ``unroll`` as there; ``layer_fn``: the family's :func:`layer`) for the query tokens ``ids`` [b, T] at RoPE
     positions ``q_pos`` [b, T].
 
     ``key_pos`` [b, L]: RoPE positions of all keys; ``key_valid`` [b, L]: False for padding.
@@ -241,7 +248,7 @@ def forward(
     def body(h, xs):
         lp, layer_cache = xs
         w = None if layer_cache is None else slice_write(layer_cache, start, write)
-        out = layer(lp, h, cfg, q_rope, k_rope, key_valid, write=w)
+        out = (layer_fn or layer)(lp, h, cfg, q_rope, k_rope, key_valid, write=w)
         return out.h, ((out.keys.k, out.keys.v), h if collect_hidden else None)
 
     h, (kv, hidden) = lax.scan(body, h0, (params["blocks"], cache), unroll=unroll)

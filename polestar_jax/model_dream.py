@@ -22,11 +22,11 @@ Parameters: the LLaDA pytree (:mod:`polestar_jax.checkpoint`) plus ``blocks/bq``
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from polestar_jax import model as M
 from polestar_jax.config import ModelConfig
@@ -49,54 +49,10 @@ def project_kv(lp: M.LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.A
             M._split_heads(xn @ lp["wv"] + lp["bv"], cfg.n_kv_heads))
 
 
-def layer(
-    lp: M.LayerParams,
-    h: jax.Array,
-    cfg: ModelConfig,
-    q_rope: M.Rope,
-    k_rope: M.Rope,
-    key_valid: Optional[jax.Array],
-    write: Optional[Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]] = None,
-    keys: Optional[M.Keys] = None,
-    return_probs: bool = False,
-) -> M.LayerOut:
-    """One Dream layer; the signature and contract of :func:`polestar_jax.model.layer` (keys given, or
-    projected from ``h`` and placed by ``write``; attention over all L keys; output projection and MLP)."""
-    if keys is None:
-        k, v = project_kv(lp, h, cfg)
-        if write is not None:
-            k, v = write(k, v)
-        keys = M.Keys(k, v, k_rope.rotate(k))
-    q_rot = q_rope.rotate(project_q(lp, h, cfg))
-    att = M.attention(q_rot, keys.k_rot, keys.v, key_valid, return_probs=return_probs)
-    a, probs = att if return_probs else (att, None)
-    return M.LayerOut(M.finish_layer(lp, h, a, cfg), keys, q_rot, probs)
-
-
-def forward(
-    params: M.Params,
-    ids: jax.Array,
-    cfg: ModelConfig,
-    q_pos: jax.Array,
-    key_pos: jax.Array,
-    key_valid: Optional[jax.Array] = None,
-    cache: Optional[tuple[jax.Array, jax.Array]] = None,
-    start: Any = 0,
-    write: Optional[jax.Array] = None,
-    collect_hidden: bool = False,
-    unroll: int | bool = 1,
-) -> M.ForwardOut:
-    """All layers; the signature and contract of :func:`polestar_jax.model.forward`."""
-    q_rope, k_rope = M.Rope.at(q_pos, cfg), M.Rope.at(key_pos, cfg)
-
-    def body(h, xs):
-        lp, layer_cache = xs
-        w = None if layer_cache is None else M.slice_write(layer_cache, start, write)
-        out = layer(lp, h, cfg, q_rope, k_rope, key_valid, write=w)
-        return out.h, ((out.keys.k, out.keys.v), h if collect_hidden else None)
-
-    h, (kv, hidden) = lax.scan(body, embed(params, ids), (params["blocks"], cache), unroll=unroll)
-    return M.ForwardOut(h, kv, hidden)
+#: One Dream layer: :func:`polestar_jax.model.layer` with Dream's biased projections (same signature).
+layer = functools.partial(M.layer, q_proj=project_q, kv_proj=project_kv)
+#: All layers: :func:`polestar_jax.model.forward` over :data:`layer` (same signature).
+forward = functools.partial(M.forward, layer_fn=layer)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> M.Params:
