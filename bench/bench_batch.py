@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from bench.bench_decoders import DEFAULT_OUT, BenchConfig, machine_info, make_params
+from bench.bench_decoders import BenchConfig, machine_info, make_params
+from bench.common import RESULTS_DIR
 from polestar_jax.config import DecodeConfig
 from polestar_jax.engine import generate
 
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-length", type=int, default=64)
     ap.add_argument("--variant", default="peaked", choices=["random", "peaked"])
     ap.add_argument("--decoders", default="fastdllm,polestar")
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     result = run([int(b) for b in args.batches.split(",")], args.gen_length, args.variant,

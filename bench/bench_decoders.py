@@ -18,6 +18,11 @@ Two model variants are decoded:
   commits a varying number of tokens per forward. It is still a random model: only the *speed* numbers
   mean anything, never the tokens.
 
+``--family dream`` runs the same on a random Dream-architecture model (Qwen2 layout: q/k/v biases, 8 query
+heads sharing 2 KV heads, RoPE theta 1e6, the family's logit shift) with Dream's samplers as the official
+Dream code runs them (``docs/algorithm.md#dream``): the no-cache threshold sampler, the dual-cache loop with
+the threshold rule and with the neg-entropy fixed schedule, and Polestar with the family's parameters.
+
 Usage::
 
     python -m bench.bench_decoders [--quick] [--out DIR]
@@ -43,15 +48,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import RESULTS_DIR
 from polestar_jax import model as M
+from polestar_jax import model_dream as MD
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.engine import generate
 from polestar_jax.block import EngineSpec
+from polestar_jax.family import polestar_config_for
 from polestar_jax.samplers import cached_forward, full_forward
 from polestar_jax.state import init_decode_state
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(_REPO_ROOT, "bench", "results")
+DEFAULT_OUT = RESULTS_DIR
 
 #: (decoder, cache, threshold) in report order.
 DECODERS: tuple[tuple[str, str, Optional[float]], ...] = (
@@ -61,6 +68,15 @@ DECODERS: tuple[tuple[str, str, Optional[float]], ...] = (
     ("fastdllm", "dual", 0.9),
     ("polestar", "dual", 0.9),
 )
+#: Dream's samplers (``--family dream``): (decoder, cache, threshold, label, DecodeConfig options), as
+#: ``crosscheck.dream_decode_config`` maps the official settings; Polestar takes the family's parameters.
+DREAM_DECODERS: tuple[tuple[str, str, Optional[float], str, dict], ...] = (
+    ("fastdllm", "none", 0.9, "dream-threshold", {}),
+    ("fastdllm", "dual", 0.9, "dream-dual-threshold", {"step_after_full_pass": False, "start_commit": "first"}),
+    ("fastdllm", "dual", None, "dream-dual-entropy", {"step_after_full_pass": False, "start_commit": "first",
+                                                      "schedule": "timesteps", "rank_by": "neg_entropy"}),
+    ("polestar", "dual", 0.9, "dream-polestar", {}),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +84,11 @@ class BenchConfig:
     """Everything that defines one benchmark run."""
 
     name: str = "small"
+    family: str = "llada"  # or "dream" (Qwen2 layout with q/k/v biases; DREAM_DECODERS)
     n_layers: int = 8
     d_model: int = 512
     n_heads: int = 8
+    n_kv_heads: Optional[int] = None  # default: n_heads (no GQA)
     mlp_hidden: int = 1408
     vocab: int = 32000  # embedding size; mask id = vocab - 1, eos = pad = vocab - 2
     prompt_length: int = 64
@@ -88,13 +106,21 @@ class BenchConfig:
     param_init: str = "init_params"  # or "numpy" (smoke test only, see make_params)
 
     def model_config(self) -> ModelConfig:
-        cfg = ModelConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_heads,
+        dream = {"include_qkv_bias": True, "family": "dream", "rope_theta": 1e6, "rms_norm_eps": 1e-6}
+        cfg = ModelConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads or self.n_heads,
                           n_layers=self.n_layers, mlp_hidden_size=self.mlp_hidden, vocab_size=self.vocab,
                           embedding_size=self.vocab, mask_token_id=self.vocab - 1, eos_token_id=self.vocab - 2,
                           pad_token_id=self.vocab - 2,
-                          max_sequence_length=max(4096, self.prompt_length + self.gen_length))
+                          max_sequence_length=max(4096, self.prompt_length + self.gen_length),
+                          **(dream if self.family == "dream" else {}))
         cfg.validate(self.name)
         return cfg
+
+    def decoders(self) -> tuple[tuple[str, str, Optional[float], str, dict], ...]:
+        """The decoder rows of this family: (decoder, cache, threshold, label, DecodeConfig options)."""
+        if self.family == "dream":
+            return DREAM_DECODERS
+        return tuple((d, c, t, d, {}) for d, c, t in DECODERS)
 
 
 SMALL = BenchConfig()
@@ -102,6 +128,9 @@ SMALL = BenchConfig()
 #: logit spread matches the small model's (logit std ~ factor * 0.02 * sqrt(d_model)).
 QUICK = dataclasses.replace(SMALL, name="quick", n_layers=2, d_model=128, n_heads=4, mlp_hidden=352,
                             prompt_length=32, gen_length=64, steps=64, peak_scale=120.0, forward_reps=3)
+#: ``--family dream``: the same sizes as a Dream-architecture model, 4 query heads per KV head.
+DREAM_SMALL = dataclasses.replace(SMALL, name="dream-small", family="dream", n_kv_heads=2)
+DREAM_QUICK = dataclasses.replace(QUICK, name="dream-quick", family="dream", n_kv_heads=1)
 
 
 def _log(msg: str) -> None:
@@ -120,9 +149,10 @@ def make_params(bc: BenchConfig, cfg: ModelConfig) -> dict[str, Any]:
     """
 
     key = jax.random.PRNGKey(bc.seed)
+    init = MD.init_params if cfg.family == "dream" else M.init_params  # Dream: with q/k/v biases
     if bc.param_init == "init_params":
         # eager, exactly ``init_params(cfg, PRNGKey(seed))`` (a jitted init differs in the last bits)
-        params = jax.tree.map(np.asarray, M.init_params(cfg, key, dtype=jnp.float32))
+        params = jax.tree.map(np.asarray, init(cfg, key, dtype=jnp.float32))
     elif bc.param_init == "numpy":
         rng = np.random.default_rng(bc.seed)
 
@@ -133,7 +163,7 @@ def make_params(bc: BenchConfig, cfg: ModelConfig) -> dict[str, Any]:
             std = 1.0 if "wte" in name else 0.02
             return rng.standard_normal(a.shape, dtype=np.float32) * np.float32(std)
 
-        shapes = jax.eval_shape(lambda k: M.init_params(cfg, k, dtype=jnp.float32), key)
+        shapes = jax.eval_shape(lambda k: init(cfg, k, dtype=jnp.float32), key)
         params = jax.tree_util.tree_map_with_path(leaf, shapes)
     else:
         raise ValueError(f"unknown param_init {bc.param_init!r}")
@@ -155,15 +185,20 @@ def make_prompt(bc: BenchConfig, cfg: ModelConfig) -> list[int]:
 # ---------------------------------------------------------------------------------------------- decoders
 
 
-def decode_config(bc: BenchConfig, decoder: str, cache: str, threshold: Optional[float]) -> DecodeConfig:
+def decode_config(bc: BenchConfig, decoder: str, cache: str, threshold: Optional[float],
+                  options: Optional[dict] = None) -> DecodeConfig:
+    """The row's :class:`DecodeConfig` (``options``: further DecodeConfig fields); decoder polestar takes
+    the family's Polestar parameters (Dream: its windows, proxy score, K/V patch and tie rule)."""
     return DecodeConfig(decoder=decoder, cache=cache, gen_length=bc.gen_length, block_length=bc.block_length,
-                        steps=bc.steps, threshold=threshold, temperature=0.0)
+                        steps=bc.steps, threshold=threshold, temperature=0.0,
+                        polestar=polestar_config_for(bc.family, decoder), **(options or {}))
 
 
 def bench_decoder(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig, variant: str,
-                  decoder: str, cache: str, threshold: Optional[float]) -> dict:
+                  decoder: str, cache: str, threshold: Optional[float], label: Optional[str] = None,
+                  options: Optional[dict] = None) -> dict:
     """Runs one decoder ``decode_repeats`` times and returns its result row."""
-    dcfg = decode_config(bc, decoder, cache, threshold)
+    dcfg = decode_config(bc, decoder, cache, threshold, options)
     runs, compile_s, res = [], 0.0, None
     for _ in range(max(1, bc.decode_repeats)):
         res = generate(params, cfg, [prompt], dcfg, seed=bc.seed, prompt_slot=bc.prompt_length)
@@ -176,6 +211,7 @@ def bench_decoder(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig, 
     non_eos = int(np.sum((tokens != cfg.eos_token_id) & (tokens != cfg.pad_token_id)))
     return {
         "variant": variant, "decoder": decoder, "cache": cache, "threshold": threshold,
+        "label": label or decoder, "options": dict(options or {}),
         "nfe": nfe,
         "tpf": n_gen / nfe,  # all generated positions per forward (every one is committed exactly once)
         "tpf_non_eos": non_eos / nfe,
@@ -374,7 +410,8 @@ def _fmt(v, spec: str = ".2f") -> str:
 def markdown(result: dict) -> str:
     bc = result["config"]
     lines = [
-        f"Model `{bc['name']}`: {bc['n_layers']} layers, d_model {bc['d_model']}, {bc['n_heads']} heads, "
+        f"Model `{bc['name']}` ({bc.get('family', 'llada')}): {bc['n_layers']} layers, d_model {bc['d_model']}, "
+        f"{bc['n_heads']} heads ({bc.get('n_kv_heads') or bc['n_heads']} KV), "
         f"MLP {bc['mlp_hidden']}, vocab {bc['vocab']}, float32; prompt {bc['prompt_length']}, "
         f"gen {bc['gen_length']}, block {bc['block_length']}, steps {bc['steps']}; Fast-dLLM threshold "
         f"{bc['threshold']}. Variant `peaked` = LM head x{bc['peak_scale']:g}"
@@ -384,7 +421,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["decoders"]:
-        lines.append(f"| {r['variant']} | {r['decoder']} | {r['cache']} | {r['nfe']} | {r['tpf']:.2f} | "
+        lines.append(f"| {r['variant']} | {r.get('label', r['decoder'])} | {r['cache']} | {r['nfe']} | {r['tpf']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {_fmt(r.get('gflops_per_token'))} | "
                      f"{r.get('refresh_steps', '')} | {r['compile_seconds']:.2f} | {r['decode_seconds']:.2f} |")
     lines += [
@@ -415,9 +452,9 @@ def run_bench(bc: BenchConfig, out_dir: Optional[str] = DEFAULT_OUT, command: st
     forwards = bench_forwards(variants["random"], cfg, prompt, bc)
     rows = []
     for variant, params in variants.items():
-        for decoder, cache, threshold in DECODERS:
-            _log(f"[bench] {bc.name}/{variant}: {decoder} cache={cache}")
-            row = bench_decoder(params, cfg, prompt, bc, variant, decoder, cache, threshold)
+        for decoder, cache, threshold, label, options in bc.decoders():
+            _log(f"[bench] {bc.name}/{variant}: {label} cache={cache}")
+            row = bench_decoder(params, cfg, prompt, bc, variant, decoder, cache, threshold, label, options)
             _log(f"  nfe={row['nfe']} tpf={row['tpf']:.2f} tokens/s={row['tokens_per_s']:.1f} "
                  f"decode={row['decode_seconds']:.2f}s compile={row['compile_seconds']:.2f}s")
             rows.append(row)
@@ -461,6 +498,8 @@ def run_bench(bc: BenchConfig, out_dir: Optional[str] = DEFAULT_OUT, command: st
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_decoders", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2-layer d_model 128 smoke-check size (< 1 minute)")
+    ap.add_argument("--family", default="llada", choices=["llada", "dream"],
+                    help="model architecture and its samplers (dream: Qwen2 layout with GQA, Dream's samplers)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     ap.add_argument("--peak-scale", type=float, default=None, help="LM-head factor of the peaked variant")
     ap.add_argument("--repeats", type=int, default=None, help="timed decodes per row (median; default 1)")
@@ -468,7 +507,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--no-flops", action="store_true", help="skip XLA cost analysis")
     args = ap.parse_args(argv)
-    bc = QUICK if args.quick else SMALL
+    bc = {("llada", False): SMALL, ("llada", True): QUICK, ("dream", False): DREAM_SMALL,
+          ("dream", True): DREAM_QUICK}[(args.family, args.quick)]
     over = {k: v for k, v in (("peak_scale", args.peak_scale), ("decode_repeats", args.repeats),
                               ("forward_reps", args.forward_reps), ("seed", args.seed)) if v is not None}
     if args.no_flops:

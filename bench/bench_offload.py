@@ -21,12 +21,12 @@ import os
 import sys
 from typing import Optional
 
+from bench.common import REPO_ROOT, RESULTS_DIR
 from polestar_jax.config import DecodeConfig, ModelConfig, OFFLOAD_HIDDEN, PolestarConfig
 from polestar_jax.plan import plan
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_8B = os.path.join(_REPO_ROOT, "tests", "data", "llada8b_config.json")
-DEFAULT_OUT = os.path.join(_REPO_ROOT, "bench", "results")
+CONFIG_8B = os.path.join(REPO_ROOT, "tests", "data", "llada8b_config.json")
+DEFAULT_OUT = RESULTS_DIR
 
 
 def rows(config: str = CONFIG_8B, gens=(256, 512), prompt: int = 256, block: int = 32) -> list[dict]:

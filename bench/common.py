@@ -47,11 +47,12 @@ class BenchModel:
 
 
 def load_bench_model(model: Optional[str] = None, gen_length: Optional[int] = None,
-                     block_length: Optional[int] = None) -> BenchModel:
+                     block_length: Optional[int] = None, mesh=None) -> BenchModel:
     """Loads ``model`` (a folder; None or "" = the bundled ``tiny_tasks`` model) with its tokenizer; gen and
-    block length default to the folder's generation defaults (32 / 8 if it has none)."""
+    block length default to the folder's generation defaults (32 / 8 if it has none). With a ``mesh``
+    (``jax.sharding.Mesh``) the parameters are built shard by shard with the mesh's shardings."""
     model_dir = model or bundled_model_dir()
-    mcfg, params = load_model(model_dir)
+    mcfg, params = load_model(model_dir, shardings=mesh)
     tok = load_tokenizer(model_dir)
     gd = generation_defaults(model_dir)
     gen = gen_length if gen_length is not None else gd.get("gen_length", 32)
@@ -80,11 +81,12 @@ def padded_batches(prompts: Sequence[Sequence[int]], batch: int) -> Iterator[tup
 
 
 def decode_batches(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, batch: int,
-                   slot: int, seed: int = 0) -> Iterator[tuple[int, int, GenerateResult]]:
-    """Decodes the job in padded batches (:func:`padded_batches`) at prompt slot ``slot``; yields
-    ``(first_row, n_real, result)`` per batch (``result`` has ``batch`` rows, the first ``n_real`` real)."""
+                   slot: int, seed: int = 0, mesh=None) -> Iterator[tuple[int, int, GenerateResult]]:
+    """Decodes the job in padded batches (:func:`padded_batches`) at prompt slot ``slot`` (over ``mesh``
+    when given); yields ``(first_row, n_real, result)`` per batch (``result`` has ``batch`` rows, the first
+    ``n_real`` real)."""
     start = 0
     for n_real, chunk, rows in padded_batches(prompts, batch):
-        res = generate(params, mcfg, chunk, dcfg, seed=seed, rows=rows, prompt_slot=slot)
+        res = generate(params, mcfg, chunk, dcfg, seed=seed, rows=rows, prompt_slot=slot, mesh=mesh)
         yield start, n_real, res
         start += n_real

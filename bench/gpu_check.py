@@ -60,6 +60,15 @@ this GPU) is recorded with its error and the run goes on.
 ``--smoke`` runs tiny shapes (2 layers, d_model 128, vocab 512, prompt 32 + gen 64, block 16) on whatever
 backend there is, in well under a minute on a CPU; on a CPU ``kernels="pallas"`` runs the Pallas
 interpreter and the JSON says that the numbers are not a GPU's (``is_gpu: false`` and a note).
+
+``--family dream`` does the same at Dream-7B shapes (``tests/data/dream7b_config.json``: d_model 3584, 28
+query heads sharing 4 KV heads, head dim 128, MLP 18944, vocab 152064, q/k/v biases; 28 layers in the
+estimates) with Dream's Polestar parameters (the family's: a full pass clusters 64 rows back and 32 ahead,
+one head-averaged proxy attention, the clustered K/V patch); the byte model counts the biases, the K/V
+cache of the 4 KV heads and the single proxy-attention head. ``--smoke --family dream``: tiny Dream shapes
+(4 query heads on 2 KV heads, prompt 64 so that the 64-row prefix window is filled)::
+
+    python -m bench.gpu_check --family dream --layers 4 --out bench/results/gpu_check_h200_dream.json
 """
 from __future__ import annotations
 
@@ -81,19 +90,26 @@ import numpy as np
 
 from bench import bench_decoders as BD
 from bench.bench_decoders import _fmt
+from bench.common import REPO_ROOT
 from polestar_jax import model as M
+from polestar_jax import model_dream as MD
 from polestar_jax import draws as DR
 from polestar_jax import polestar_start as PST
 from polestar_jax import polestar_state as PSt
 from polestar_jax import polestar_step as PSS
 from polestar_jax.block import EngineSpec
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
+from polestar_jax.errors import PolestarError
+from polestar_jax.family import FAMILIES
 from polestar_jax.kernels import backend as KB
+from polestar_jax.polestar_state import proxy_heads
 from polestar_jax.samplers import cached_forward, full_forward
 from polestar_jax.state import init_decode_state
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LLADA_8B_CONFIG = os.path.join(_REPO_ROOT, "tests", "data", "llada8b_config.json")
+LLADA_8B_CONFIG = os.path.join(REPO_ROOT, "tests", "data", "llada8b_config.json")
+DREAM_7B_CONFIG = os.path.join(REPO_ROOT, "tests", "data", "dream7b_config.json")
+#: ``--family`` -> the config.json of its full-size shapes
+FAMILY_CONFIGS = {"llada": LLADA_8B_CONFIG, "dream": DREAM_7B_CONFIG}
 
 #: Step kinds in run order: the LM head first (the per-layer columns subtract it), the full passes next (their
 #: output states feed the steps: a filled K/V cache, real clusters and stored hidden states).
@@ -127,10 +143,11 @@ class CheckConfig:
     peak_tflops: float = H200_BF16_TFLOPS
     smoke: bool = False
     kinds: tuple[str, ...] = KINDS
-    model_config: str = LLADA_8B_CONFIG
+    model_config: Optional[str] = None  # HF config.json of the shapes (None: the family's, FAMILY_CONFIGS)
     flops: bool = True  # XLA cost analysis of the unrolled lowering
     offload_hidden: str = "none"  # Polestar's hidden-state store: none | int8 | bf16 (pinned_host memory)
     refresh_buckets: int = PolestarConfig.refresh_buckets  # compiled widths per refresh stage
+    family: str = "llada"  # model family: llada (LLaDA-8B shapes) or dream (Dream-7B shapes)
 
 
 def _log(msg: str) -> None:
@@ -142,22 +159,39 @@ def _log(msg: str) -> None:
 
 def model_config(cc: CheckConfig) -> tuple[ModelConfig, int]:
     """(config with ``n_layers = cc.layers``, the full model's layer count)."""
-    if cc.smoke:
+    if cc.family not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {cc.family!r} (choose from {', '.join(FAMILY_CONFIGS)})")
+    dream = cc.family == "dream"
+    if cc.smoke:  # Dream: GQA (2 KV heads), q/k/v biases, Dream-7B's depth for the estimates
         v = 512
-        base = ModelConfig(d_model=128, n_heads=4, n_kv_heads=4, n_layers=32, mlp_hidden_size=352, vocab_size=v,
-                           embedding_size=v, mask_token_id=v - 1, eos_token_id=v - 2, pad_token_id=v - 2,
-                           rope_theta=500000.0)
+        base = ModelConfig(d_model=128, n_heads=4, n_kv_heads=2 if dream else 4, n_layers=28 if dream else 32,
+                           mlp_hidden_size=352, vocab_size=v, embedding_size=v, mask_token_id=v - 1,
+                           eos_token_id=v - 2, pad_token_id=v - 2, rope_theta=1e6 if dream else 500000.0,
+                           rms_norm_eps=1e-6 if dream else 1e-5, include_qkv_bias=dream, family=cc.family)
     else:
-        base = ModelConfig.from_json(cc.model_config)
+        base = ModelConfig.from_json(cc.model_config or FAMILY_CONFIGS[cc.family])
+        if base.family != cc.family:
+            raise ValueError(f"{cc.model_config}: a {base.family} config, not {cc.family} (--family)")
     cfg = dataclasses.replace(base, n_layers=cc.layers,
                               max_sequence_length=max(base.max_sequence_length, cc.prompt_length + cc.gen_length))
     cfg.validate("gpu_check")
     return cfg, base.n_layers
 
 
+def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16):
+    """Random parameters of ``cfg``'s family (Dream: with the q/k/v biases)."""
+    return (MD.init_params if cfg.family == "dream" else M.init_params)(cfg, key, dtype=dtype)
+
+
+def polestar_config(cfg: ModelConfig, cc: CheckConfig, kernels: str = "auto") -> PolestarConfig:
+    """Polestar's knobs for ``cfg``'s family (Dream: its official windows, proxy score, K/V patch, tie rule)."""
+    return FAMILIES[cfg.family].polestar_config(kernels=kernels, offload_hidden=cc.offload_hidden,
+                                                refresh_buckets=cc.refresh_buckets)
+
+
 def make_params(cfg: ModelConfig, seed: int):
     """Random bf16 parameters drawn on the default device (jitted ``init_params``, rbg key: fast to compile)."""
-    init = jax.jit(lambda k: M.init_params(cfg, k, dtype=jnp.bfloat16))
+    init = jax.jit(lambda k: init_params(cfg, k, dtype=jnp.bfloat16))
     return jax.block_until_ready(init(jax.random.key(seed, impl="rbg")))
 
 
@@ -167,8 +201,8 @@ def make_state(cfg: ModelConfig, cc: CheckConfig, polestar: bool):
     hi = min(cfg.eos_token_id, cfg.pad_token_id, cfg.mask_token_id)
     prompts = [rng.integers(0, hi, cc.prompt_length).tolist() for _ in range(cc.batch)]
     if polestar:  # (the store in host memory when offloaded, as the engine does)
-        pc = PolestarConfig(offload_hidden=cc.offload_hidden, refresh_buckets=cc.refresh_buckets)
-        dcfg = DecodeConfig(decoder="polestar", gen_length=cc.gen_length, block_length=cc.block_length, polestar=pc)
+        dcfg = DecodeConfig(decoder="polestar", gen_length=cc.gen_length, block_length=cc.block_length,
+                            polestar=polestar_config(cfg, cc))
     else:
         dcfg = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=cc.gen_length, block_length=cc.block_length)
     return init_decode_state(cfg, dcfg, prompts, cc.prompt_length, seed=cc.seed, dtype=jnp.bfloat16)
@@ -185,8 +219,7 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str, unroll: 
     """``fn(params, state, cs) -> (outputs, state)`` of one step kind (``lm_head``: ``fn(params, h, cs)``);
     ``unroll``: the layer scans' (True for XLA's cost analysis, which counts a loop body once)."""
     B = cc.block_length
-    pc = PolestarConfig(kernels="reference" if kernels == "none" else kernels, offload_hidden=cc.offload_hidden,
-                        refresh_buckets=cc.refresh_buckets)
+    pc = polestar_config(cfg, cc, "reference" if kernels == "none" else kernels)
     if kind == "lm_head":
         return lambda p, h, cs: (M.lm_head(p, h, cfg), h)
     if kind in ("full", "dual_step"):
@@ -198,8 +231,8 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str, unroll: 
             return lambda p, s, cs: full_forward(p, s, spec, cs, keep_cache=True)
         return lambda p, s, cs: cached_forward(p, s, spec, cs)
     if kind == "polestar_start":
-        def start(p, s, cs):
-            geo = PSt.geometry(s, cs, B, pc)
+        def start(p, s, cs):  # (the full pass's window, as polestar.start: Dream's 64 / 32 rows)
+            geo = PSt.geometry(s, cs, B, pc, window=pc.pass_window(B, False))
             draws = DR.block_start_draws(s, geo, cfg, pc, B, None)
             out = PST.start_pass(p, s, geo, cfg, pc, B, False, draws, unroll=unroll)
             pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels, centroids=out.clusters.centroids,
@@ -221,10 +254,12 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str, unroll: 
 
 
 def geometry_numbers(cfg: ModelConfig, cc: CheckConfig) -> dict:
-    pc = PolestarConfig()
+    """L keys, B block rows, R refresh-window rows (the store: LLaDA 3B; Dream max(64, 2B) + max(32, B)),
+    its suffix rows, K clusters and the heads of the cluster proxy attention (Dream: 1)."""
+    pc = polestar_config(cfg, cc)
     B = cc.block_length
-    return {"L": cc.prompt_length + cc.gen_length, "B": B, "R": (pc.prefix_blocks + pc.suffix_blocks) * B,
-            "suffix_rows": pc.suffix_blocks * B, "K": pc.n_clusters}
+    return {"L": cc.prompt_length + cc.gen_length, "B": B, "R": pc.window_rows(B),
+            "suffix_rows": pc.suffix_rows(B), "K": pc.n_clusters, "proxy_heads": proxy_heads(cfg, pc)}
 
 
 def shape_info(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Optional[float] = None) -> dict:
@@ -274,7 +309,7 @@ def bytes_model(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Opti
     row's ``xla_bytes_accessed``. ``refresh_rows``: see :func:`shape_info` (the stored hidden states read and
     written are those rows)."""
     g = geometry_numbers(cfg, cc)
-    L, B, R, K = g["L"], g["B"], g["R"], g["K"]
+    L, B, R, K, HP = g["L"], g["B"], g["R"], g["K"], g["proxy_heads"]
     if refresh_rows is not None and kind == "polestar_refresh_step":
         R = refresh_rows
     b, it, f32 = cc.batch, 2, 4  # bf16 weights/activations, float32 probabilities and logits
@@ -282,7 +317,8 @@ def bytes_model(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Opti
                           cfg.embedding_size)
     si = shape_info(kind, cfg, cc, refresh_rows)
     q = si["query_rows"]
-    w_layer = (D * H * hd + 2 * D * KV * hd + H * hd * D + 3 * D * F + 2 * D) * it
+    bias = (H * hd + 2 * KV * hd) if cfg.include_qkv_bias else 0  # Dream's q/k/v biases
+    w_layer = (D * H * hd + 2 * D * KV * hd + H * hd * D + 3 * D * F + 2 * D + bias) * it
     kv_rows = lambda n: 2 * b * KV * n * hd * it  # K and V of n rows
     head = si["head_calls"] * (D * V + D) * it + b * si["head_rows"] * (D * it + V * f32)
     per = {"weights": 0, "kv": 0, "hidden": 0, "polestar": 0}
@@ -295,12 +331,12 @@ def bytes_model(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Opti
         else:
             per["kv"] = kv_rows(L) + kv_rows(q)  # whole cache read + the rows' K/V written
     if kind in ("polestar_start", "polestar_windowed_start"):
-        per["polestar"] = b * R * D * it + b * H * K * L * f32  # stored window rows + proxy attention written
+        per["polestar"] = b * R * D * it + b * HP * K * L * f32  # stored window rows + proxy attention written
         once["drift"] = b * H * B * L * f32  # last layer's block probabilities written
     if kind == "polestar_step":
         once["drift"] = 2 * b * H * B * L * f32  # previous block probabilities read, new ones written
     if kind == "polestar_refresh_step":
-        per["polestar"] = 2 * b * R * D * it + 2 * b * H * K * L * f32  # hidden states, proxy attention r+w
+        per["polestar"] = 2 * b * R * D * it + 2 * b * HP * K * L * f32  # hidden states, proxy attention r+w
         once["drift"] = 2 * b * H * B * L * f32
     n = 0 if kind == "lm_head" else cfg.n_layers
     per_total, once_total = sum(per.values()), sum(once.values())
@@ -444,7 +480,8 @@ def table(result: dict) -> str:
     c = result["config"]
     lines = [
         f"{result['device_kind']} ({result['backend']}), jax {result['jax_version']}, {result['date']}; "
-        f"{c['layers']} of {c['model_layers']} layers, d_model {c['d_model']}, MLP {c['mlp_hidden']}, vocab "
+        f"{c.get('family', 'llada')}: {c['layers']} of {c['model_layers']} layers, d_model {c['d_model']}, "
+        f"{c['n_heads']} heads / {c['n_kv_heads']} KV heads, MLP {c['mlp_hidden']}, vocab "
         f"{c['vocab']}, bf16, batch {c['batch']}, prompt {c['prompt_length']} + gen {c['gen_length']}, block "
         f"{c['block_length']}; peaks {c['peak_hbm_gbs']:g} GB/s, {c['peak_tflops']:g} TFLOP/s",
         "",
@@ -504,7 +541,9 @@ def run_check(cc: CheckConfig, out_path: Optional[str], command: str = "") -> di
         "note": ("" if is_gpu else f"backend {backend!r} ({dev.device_kind}): not a GPU; timings, bandwidth and "
                  "roofline fractions are meaningless against the H200 peaks and must not go into the README"
                  + ("; 'pallas' runs the Pallas interpreter here" if backend == "cpu" else "")),
-        "config": dict(dataclasses.asdict(cc), kinds=list(cc.kinds), d_model=cfg.d_model, n_heads=cfg.n_heads,
+        "config": dict(dataclasses.asdict(cc), kinds=list(cc.kinds),
+                       model_config=None if cc.smoke else cc.model_config or FAMILY_CONFIGS[cc.family],
+                       d_model=cfg.d_model, n_heads=cfg.n_heads,
                        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, mlp_hidden=cfg.mlp_hidden_size,
                        vocab=cfg.embedding_size, model_layers=model_layers, dtype="bfloat16",
                        **{k: v for k, v in geometry_numbers(cfg, cc).items()}),
@@ -606,7 +645,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="layers to build and run (default 4; --smoke 2)")
     ap.add_argument("--gen-length", type=int, default=None, help="default 256 (--smoke 64)")
-    ap.add_argument("--prompt-length", type=int, default=None, help="default 256 (--smoke 32)")
+    ap.add_argument("--prompt-length", type=int, default=None, help="default 256 (--smoke 32; dream 64)")
     ap.add_argument("--block-length", type=int, default=None, help="default 32 (--smoke 16)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per kind (median; default 20, --smoke 2)")
@@ -620,7 +659,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                     help="dense bf16 peak, TFLOP/s (H200: %(default)g)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma list from: " + ", ".join(KINDS))
-    ap.add_argument("--model-config", default=LLADA_8B_CONFIG, help="HF config.json of the model shape")
+    ap.add_argument("--family", default="llada", choices=sorted(FAMILY_CONFIGS),
+                    help="model family: llada (LLaDA-8B shapes) or dream (Dream-7B shapes, GQA, Dream's Polestar)")
+    ap.add_argument("--model-config", default=None,
+                    help="HF config.json of the model shape (default: the family's, tests/data/llada8b_config.json "
+                         "or dream7b_config.json)")
     ap.add_argument("--no-flops", action="store_true", help="skip XLA cost analysis (matmul formula only)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any backend, < 1 minute on a CPU")
     ap.add_argument("--offload-hidden", default="none", choices=["none", "int8", "bf16"],
@@ -633,19 +676,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     if bad:
         ap.error(f"unknown kind(s) {', '.join(bad)} (choose from {', '.join(KINDS)})")
     pick = lambda v, full, smoke: v if v is not None else (smoke if args.smoke else full)
-    cc = CheckConfig(layers=pick(args.layers, 4, 2), prompt_length=pick(args.prompt_length, 256, 32),
+    cc = CheckConfig(layers=pick(args.layers, 4, 2),
+                     prompt_length=pick(args.prompt_length, 256, 64 if args.family == "dream" else 32),
                      gen_length=pick(args.gen_length, 256, 64), block_length=pick(args.block_length, 32, 16),
                      batch=args.batch, repeats=pick(args.repeats, 20, 2), warmup=pick(args.warmup, 2, 1),
                      seed=args.seed, budget_s=args.budget_s, peak_hbm_gbs=args.peak_hbm_gbs,
                      peak_tflops=args.peak_tflops, smoke=args.smoke, kinds=kinds, model_config=args.model_config,
                      flops=not args.no_flops, offload_hidden=args.offload_hidden,
-                     refresh_buckets=args.refresh_buckets)
+                     refresh_buckets=args.refresh_buckets, family=args.family)
     if args.refresh_buckets < 1:
         ap.error("--refresh-buckets must be >= 1")
-    pc = PolestarConfig()
-    if cc.gen_length % cc.block_length or cc.prompt_length < pc.prefix_blocks * cc.block_length:
-        ap.error("gen length must be a multiple of the block length, and the prompt at least "
-                 f"{pc.prefix_blocks} blocks long (the refresh prefix window)")
+    try:
+        cfg, _ = model_config(cc)
+    except (ValueError, PolestarError) as e:
+        ap.error(str(e))
+    pre = polestar_config(cfg, cc).prefix_rows(cc.block_length)
+    if cc.gen_length % cc.block_length or cc.prompt_length < pre:
+        ap.error(f"gen length must be a multiple of the block length, and the prompt at least {pre} tokens long "
+                 "(the refresh prefix window)")
     hard = args.hard_stop_s if args.hard_stop_s is not None else cc.budget_s + 50
     dog = _watchdog(hard, args.out)
     raw = argv if argv is not None else sys.argv[1:]

@@ -31,7 +31,12 @@ its random draws come from ``(seed, i)`` (``generate(..., rows=...)``), so the o
 Usage::
 
     python -m bench.run [--quick] [--out DIR] [--model DIR] [--n N] [--batch B] [--decoders a,b,...]
-                        [--sweep 0.7,0.8,0.9,0.95 | --no-sweep] [--repeats R]
+                        [--sweep 0.7,0.8,0.9,0.95 | --no-sweep] [--repeats R] [--mesh data=D,model=M]
+                        [--coordinator HOST:PORT --num-processes N --process-id I]
+
+``--mesh`` decodes over a device mesh; several processes or hosts (the flags, or the
+``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment, as ``generate``) join one
+runtime first and decode the same job over one mesh of all their devices; process 0 alone writes and prints.
 
 Writes ``DIR/results.json`` (a list of rows with ``decoder``, ``task`` -- ``"all"`` for the mean over tasks
 --, ``accuracy``, ``tpf``, ``tps``, ``nfe`` and more), ``DIR/run.json`` (configuration, command, machine and
@@ -61,6 +66,7 @@ import numpy as np
 from bench import tasks as T
 from bench.bench_decoders import _fmt, forwards_gflops
 from bench.common import RESULTS_DIR, decode_batches, load_bench_model, prompt_slot
+from polestar_jax import cli, sharding
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
 from polestar_jax.tokenizer import Tokenizer
@@ -195,6 +201,7 @@ class RunConfig:
     flops: bool = True  # FLOPs from XLA's cost analysis (compiles each forward kind); False: matmul formula
     projection: bool = True  # the H200 / LLaDA-8B roofline projection column
     gpu_check: str = ""  # a bench.gpu_check JSON: its measured step times go next to the projected ones
+    mesh: str = ""  # a device mesh, e.g. "data=2,model=4" ("" = one device); FLOPs then from the formula
 
 
 QUICK = RunConfig(n=8, flops=False, repeats=1)
@@ -248,10 +255,11 @@ def _refresh_widths(dcfg: DecodeConfig) -> np.ndarray:
 
 def run_decoder(params, mcfg: ModelConfig, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, str]],
                 gen_length: int, block_length: int, batch: int, slot: int, seed: int,
-                bar: Optional[Any] = None) -> dict[str, Any]:
+                bar: Optional[Any] = None, mesh=None) -> dict[str, Any]:
     """Decodes every (task, prompt, answer) item with decoder ``d`` in batches of ``batch`` rows (the last
     batch padded, so one executable serves the run; item i is row i of the job: see
-    :func:`bench.common.decode_batches`); returns per-item outputs and counters, the tokens and the totals.
+    :func:`bench.common.decode_batches`; over ``mesh`` when given); returns per-item outputs and counters, the
+    tokens and the totals.
 
     Per item, the forward mix: ``full`` (full passes: every forward without a cache; one per block with
     Fast-dLLM's caches; Polestar's full block starts), ``windowed`` (Polestar's windowed block starts),
@@ -267,7 +275,7 @@ def run_decoder(params, mcfg: ModelConfig, tok: Tokenizer, d: Decoder, items: li
     seconds = compile_s = 0.0
     prompts = [tok.chat_prompt_ids(p) for _, p, _ in items]
     widths = _refresh_widths(dcfg) if d.decoder == "polestar" else None
-    for start, n_real, res in decode_batches(params, mcfg, prompts, dcfg, batch, slot, seed):
+    for start, n_real, res in decode_batches(params, mcfg, prompts, dcfg, batch, slot, seed, mesh=mesh):
         seconds += res.seconds
         compile_s += res.compile_seconds
         tokens.append(res.tokens[:n_real])
@@ -409,16 +417,31 @@ def _loadavg() -> Optional[list[float]]:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
+#: Task groups ``--tasks`` accepts by name: the ``tiny_tasks`` set and the long-answer set of ``tiny_long``.
+TASK_GROUPS: dict[str, tuple[str, ...]] = {"tiny_tasks": T.TASK_NAMES, "long": T.LONG_TASK_NAMES}
+
+
+def expand_tasks(spec: str) -> tuple[str, ...]:
+    """Task names of a comma-separated ``--tasks`` value, groups (:data:`TASK_GROUPS`) expanded in place."""
+    out: list[str] = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        out.extend(TASK_GROUPS.get(item, (item,)))
+    return tuple(dict.fromkeys(out))
+
+
 def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", progress: bool = True) -> dict:
     """Runs the benchmark; writes results.json / run.json / results.md / frontier.png into ``out_dir`` when
-    given."""
+    given (in a multi-process run, which must have joined first: process 0 only)."""
     t_start = time.perf_counter()
     load_before = _loadavg()
-    bad_tasks = sorted(set(rc.tasks) - set(T.TASK_NAMES))
+    bad_tasks = sorted(set(rc.tasks) - set(T.TASKS))
     if bad_tasks:
-        raise PolestarError(f"unknown task(s) {', '.join(bad_tasks)} (choose from {', '.join(T.TASK_NAMES)})")
+        raise PolestarError(f"unknown task(s) {', '.join(bad_tasks)} (choose from {', '.join(T.TASKS)}, or the "
+                            f"groups {', '.join(TASK_GROUPS)})")
     decoders = resolve_decoders(rc.decoders, rc.sweep)
-    bm = load_bench_model(rc.model, rc.gen_length, rc.block_length)
+    mesh = sharding.mesh_or_none(rc.mesh or None)  # over every process's devices once joined (see main)
+    leader = sharding.is_leader()  # several processes: all decode the same job, process 0 writes
+    bm = load_bench_model(rc.model, rc.gen_length, rc.block_length, mesh=mesh)
     mcfg, params, tok = bm.mcfg, bm.params, bm.tok
     gen_length, block_length = bm.gen_length, bm.block_length
     for d in decoders:  # every configuration is valid before anything runs
@@ -432,13 +455,14 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
          f"gen {gen_length} block {block_length}; batch {batch}; prompt slot {slot}; {len(decoders)} decoders; "
          f"load {load_before}")
     flops_by = None
+    xla_flops = rc.flops and mesh is None  # (the cost analysis is of one-device programs)
     try:
-        _log("[run] FLOPs per forward kind (" + ("XLA cost analysis" if rc.flops else "matmul formula") + ")")
-        flops_by = _forward_flops(params, mcfg, slot, gen_length, block_length, rc.flops)
+        _log("[run] FLOPs per forward kind (" + ("XLA cost analysis" if xla_flops else "matmul formula") + ")")
+        flops_by = _forward_flops(params, mcfg, slot, gen_length, block_length, xla_flops)
     except Exception as e:  # noqa: BLE001 - FLOPs are a nice-to-have
         _log(f"[run] no FLOP counts: {type(e).__name__}: {e}")
     plan = _plan(decoders, rc.repeats)
-    bar = _Progress(len(items) * len(plan)) if progress else None
+    bar = _Progress(len(items) * len(plan)) if progress and leader else None
     results: dict[str, dict] = {}
     runs: dict[str, list[float]] = {d.name: [] for d in decoders}
     compile_s: dict[str, float] = {d.name: 0.0 for d in decoders}
@@ -446,7 +470,8 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
     for d, rep in plan:
         if bar is not None:
             bar.update(0, d.name + (f" (repeat {rep + 1})" if rep else ""))
-        res = run_decoder(params, mcfg, tok, d, items, gen_length, block_length, batch, slot, rc.seed, bar)
+        res = run_decoder(params, mcfg, tok, d, items, gen_length, block_length, batch, slot, rc.seed, bar,
+                          mesh=mesh)
         runs[d.name].append(res["seconds"])
         compile_s[d.name] += res["compile_seconds"]
         if rep == 0:
@@ -497,7 +522,7 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
         "rows": rows,
         "total_seconds": time.perf_counter() - t_start,
     }
-    if out_dir:
+    if out_dir and leader:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(rows, f, indent=2)
@@ -807,7 +832,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--model", default="", help="model folder (default: the bundled trained model)")
     ap.add_argument("--n", type=int, default=None, help="instances per task (default 100, --quick 8)")
     ap.add_argument("--batch", type=int, default=RunConfig.batch, help="rows per decode batch")
-    ap.add_argument("--tasks", default=None, help=f"comma-separated subset of {','.join(T.TASK_NAMES)}")
+    ap.add_argument("--tasks", default=None,
+                    help=f"comma-separated tasks or groups ({', '.join(TASK_GROUPS)}; default tiny_tasks); "
+                         f"tasks: {','.join(T.TASKS)}")
     ap.add_argument("--decoders", default=None,
                     help=f"comma-separated subset of {','.join(DECODER_NAMES)}, or <decoder>@<threshold> "
                          f"for one of {','.join(SWEPT)}")
@@ -827,6 +854,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "--gen-length <gen> --block-length <block>): its measured step times are tabled next "
                          "to the projection")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--mesh", default="", help="decode over a device mesh, e.g. data=2,model=4 (with several "
+                                               "processes: over all their devices; FLOPs from the matmul formula)")
+    cli.add_distributed_flags(ap)
     args = ap.parse_args(argv)
     base = QUICK if args.quick else RunConfig()
     try:
@@ -836,19 +866,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rc = dataclasses.replace(
         base, model=args.model, batch=args.batch, gen_length=args.gen_length, block_length=args.block_length,
         n=args.n if args.n is not None else base.n, flops=base.flops and not args.no_flops,
-        tasks=tuple(args.tasks.split(",")) if args.tasks else base.tasks,
+        tasks=expand_tasks(args.tasks) if args.tasks else base.tasks,
         decoders=tuple(args.decoders.split(",")) if args.decoders else base.decoders, sweep=sweep,
         repeats=args.repeats if args.repeats is not None else base.repeats, seed=args.seed,
-        projection=not args.no_projection, gpu_check=args.gpu_check)
+        projection=not args.no_projection, gpu_check=args.gpu_check, mesh=args.mesh)
     if rc.n <= 0 or rc.batch <= 0 or rc.repeats <= 0:
         print("error: --n, --batch and --repeats must be positive", file=sys.stderr)
         return 2
     command = "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
+        cli.join_from_args(args)  # several processes (flags or environment): before anything uses a device
         result = run(rc, args.out, command=command.strip(), progress=not args.no_progress)
     except PolestarError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    if not sharding.is_leader():  # every process has the results; process 0 prints them
+        return 0
     print(markdown(result))
     if args.out:
         print(f"\nwrote {os.path.join(args.out, 'results.json')}, run.json, results.md"

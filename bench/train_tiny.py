@@ -29,8 +29,9 @@ Usage::
       taskset -c 1 python -m bench.train_tiny --out /tmp/tiny_ckpt --steps 6000 [--resume] [--max-minutes 80]
     # export the latest checkpoint as an HF folder (+ final evaluation in its README)
     python -m bench.train_tiny --out /tmp/tiny_ckpt --resume --steps 6000 --export polestar_jax/assets/tiny_tasks
-    # the long-answer model of issue #13 (--preset is saved in the checkpoint; --resume reuses it)
-    python -m bench.train_tiny --preset tiny_long --out /work/tiny_long_ckpt --steps 8000 --save-every 200
+    # the long-answer model of issue #13, fine-tuned from tiny_tasks (--preset is saved in the checkpoint;
+    # --resume reuses it)
+    python -m bench.train_tiny --preset tiny_long --out /work/tiny_long_ckpt --save-every 100
     python -m bench.train_tiny --out /work/tiny_long_ckpt --export-only --export polestar_jax/assets/tiny_long
 """
 from __future__ import annotations
@@ -97,6 +98,11 @@ class TrainConfig:
     # data
     tasks: tuple[str, ...] = T.TASK_NAMES
     task_weights: Optional[tuple[float, ...]] = None  # None: uniform
+    # tasks of the periodic and export evaluations (None: ``tasks``)
+    eval_tasks: Optional[tuple[str, ...]] = None
+    # weights that start the run instead of random ones: a bundled asset name (``tiny_tasks``) or a model
+    # folder with the same architecture (fine-tuning; None: random init from ``seed``)
+    init_from: Optional[str] = None
     # the named setting this run started from (:data:`PRESETS`); checkpoints saved before it existed are
     # tiny_tasks runs
     preset: str = "tiny_tasks"
@@ -105,25 +111,37 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["tasks"] = list(self.tasks)
         d["task_weights"] = None if self.task_weights is None else list(self.task_weights)
+        d["eval_tasks"] = None if self.eval_tasks is None else list(self.eval_tasks)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "TrainConfig":
         d = dict(d)
         d["tasks"] = tuple(d["tasks"])
-        if d.get("task_weights") is not None:
-            d["task_weights"] = tuple(d["task_weights"])
+        for k in ("task_weights", "eval_tasks"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
         return cls(**d)
 
 
 #: Named training settings: the fields of :class:`TrainConfig` each one changes from its defaults (which are
 #: ``tiny_tasks``). ``tiny_long`` (issue #13): the long-answer tasks of :mod:`bench.tasks.long`, generation
 #: length 128 (longest answer 99 characters + EOS) in blocks of 32, rows of 140 + 128 tokens (longest chat
-#: prompt 139), batch 16, 8000 steps (~1 s a step on 2 idle cores).
+#: prompt 139), batch 16, 6000 steps (~1 s a step on 2 idle cores). It starts from the ``tiny_tasks``
+#: weights (same architecture and tokenizer) and trains on a length curriculum: the long tasks (weight 1),
+#: the same formats on 7-14 names (``mid_*``, weight 0.5) and ``tiny_tasks``' six list tasks (3-6 names,
+#: weight 0.25); it is evaluated on the long tasks only. Trained from random weights on the long tasks alone,
+#: a first run sat at the loss of guessing names from the pool (no copying) from step 900 to 1800, and so did
+#: a warm start without the medium lists.
+_LIST_TASKS = ("copy", "reverse", "sort", "insert", "remove", "replace")
 PRESETS: dict[str, dict] = {
     "tiny_tasks": {},
-    "tiny_long": dict(preset="tiny_long", tasks=T.LONG_TASK_NAMES, steps=8000, batch=16, gen_length=128,
-                      block_length=32, prompt_slot=140, max_sequence_length=384, warmup=300),
+    "tiny_long": dict(preset="tiny_long", tasks=T.LONG_TASK_NAMES + T.MID_TASK_NAMES + _LIST_TASKS,
+                      task_weights=((1.0,) * len(T.LONG_TASK_NAMES) + (0.5,) * len(T.MID_TASK_NAMES)
+                                    + (0.25,) * len(_LIST_TASKS)),
+                      eval_tasks=T.LONG_TASK_NAMES, init_from="tiny_tasks", steps=6000, batch=16,
+                      gen_length=128, block_length=32, prompt_slot=140, max_sequence_length=384, lr=5e-4,
+                      warmup=100),
 }
 
 
@@ -221,9 +239,24 @@ def init_params(tc: TrainConfig, mcfg: ModelConfig) -> dict:
     return jax.tree_util.tree_map_with_path(make, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def start_params(tc: TrainConfig, mcfg: ModelConfig) -> dict:
+    """The weights of ``tc.init_from`` (float32; their shapes must be ``mcfg``'s), or :func:`init_params`."""
+    if tc.init_from is None:
+        return init_params(tc, mcfg)
+    from polestar_jax.checkpoint import load_model
+
+    path = tc.init_from if os.path.isdir(tc.init_from) else asset_model_dir(tc.init_from)
+    _, params = load_model(path, dtype="float32")
+    want = jax.tree.map(tuple, param_shapes(mcfg), is_leaf=lambda x: isinstance(x, tuple))
+    got = jax.tree.map(lambda x: tuple(x.shape), params)
+    if got != want:
+        raise SystemExit(f"--init-from {tc.init_from}: parameter shapes differ from this configuration's")
+    return params
+
+
 def init_state(tc: TrainConfig, mcfg: ModelConfig) -> dict:
-    """Fresh params (:func:`init_params`), optimizer state (zeros) and step 0."""
-    params = init_params(tc, mcfg)
+    """Start params (:func:`start_params`), optimizer state (zeros) and step 0."""
+    params = start_params(tc, mcfg)
     opt_shapes = jax.eval_shape(make_optimizer(tc).init, params)
     opt_state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), opt_shapes)
     return {"params": params, "opt_state": opt_state, "step": jnp.int32(0)}
@@ -277,7 +310,7 @@ def evaluate(params, mcfg: ModelConfig, tok: Tokenizer, n_per_task: int, tc: Tra
     one-token-per-step sampler (``llada``, ``steps = gen_length``, block ``block_length``)."""
     from polestar_jax.engine import generate
 
-    tasks = tuple(tasks or tc.tasks)
+    tasks = tuple(tasks or tc.eval_tasks or tc.tasks)
     items = [(task, p, a) for task in tasks for p, a in T.eval_instances(task, n_per_task, start)]
     dcfg = DecodeConfig(decoder="llada", cache="none", gen_length=tc.gen_length,
                         block_length=tc.block_length, steps=tc.gen_length, threshold=None)
@@ -530,8 +563,8 @@ def _readme(tc: TrainConfig, mcfg: ModelConfig, meta: dict, acc: dict, eval_n: i
 
 A {tc.n_layers}-layer LLaDA-architecture model (d_model {tc.d_model}, {tc.n_heads} heads, MLP {tc.mlp_hidden},
 {n_params:,} float32 parameters) with the byte-level tokenizer and LLaDA chat template of `tiny_random`,
-trained from scratch on CPU by `bench/train_tiny.py` with LLaDA's SFT objective on the tasks of
-`bench/tasks` ({issue}). It is {bed}.
+trained {'from scratch' if tc.init_from is None else f'from the weights of `{tc.init_from}`'} on CPU by
+`bench/train_tiny.py` with LLaDA's SFT objective on the tasks of `bench/tasks` ({issue}). It is {bed}.
 
 * Generation length **{tc.gen_length}** (answers padded with `<|endoftext|>`), block length {tc.block_length}.
   Decode with `--gen-length {tc.gen_length} --block-length {tc.block_length}`; other lengths were never trained.
@@ -539,7 +572,7 @@ trained from scratch on CPU by `bench/train_tiny.py` with LLaDA's SFT objective 
   text before the first `<|endoftext|>` (`bench.tasks.decode_answer`).
 * Training: {step} steps of batch {tc.batch}, AdamW (peak lr {tc.lr}, warmup {tc.warmup}, cosine to
   {tc.lr * tc.end_lr_ratio:g}, weight decay {tc.weight_decay}, clip {tc.clip}), seed {tc.seed},
-  tasks mixed {'uniformly' if tc.task_weights is None else f'with weights {list(tc.task_weights)}'};
+  tasks {', '.join(tc.tasks)} mixed {'uniformly' if tc.task_weights is None else f'with weights {list(tc.task_weights)}'};
   {meta.get('train_seconds', 0) / 60:.0f} minutes of training on a {os.cpu_count()}-core CPU; final training loss
   {last.get('loss', float('nan')):.4f}.
 
@@ -600,7 +633,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--block-length", type=int, default=None)
     ap.add_argument("--prompt-slot", type=int, default=None)
     ap.add_argument("--task-weights", default=None,
-                    help="comma-separated task=weight (others 1), e.g. reverse=2,add=1.5")
+                    help="comma-separated task=weight (others: the preset's, else 1), e.g. reverse=2,add=1.5")
+    ap.add_argument("--init-from", default=None,
+                    help="start from these weights (a bundled asset name or a model folder of the same shapes)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this many minutes")
     ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--eval-every", type=int, default=500)
@@ -623,10 +658,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     preset = args.preset
     if preset is None:
         preset = (_saved_preset(args.out) if args.resume else None) or "tiny_tasks"
-    task_names = preset_config(preset).tasks
+    base = preset_config(preset)
+    task_names = base.tasks
     weights = None
     if args.task_weights:
-        w = dict.fromkeys(task_names, 1.0)
+        w = dict(zip(task_names, base.task_weights or (1.0,) * len(task_names)))
         for item in args.task_weights.split(","):
             k, v = item.split("=")
             if k not in w:
@@ -635,7 +671,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         weights = tuple(w[k] for k in task_names)
     tc = preset_config(preset, seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr,
                        warmup=args.warmup, end_lr_ratio=args.end_lr_ratio, gen_length=args.gen_length,
-                       block_length=args.block_length, prompt_slot=args.prompt_slot, task_weights=weights)
+                       block_length=args.block_length, prompt_slot=args.prompt_slot, task_weights=weights,
+                       init_from=args.init_from)
     command = "python -m bench.train_tiny " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res = train(tc, args.out, resume=args.resume, max_minutes=args.max_minutes, save_every=args.save_every,
                 eval_every=args.eval_every, eval_n=args.eval_n, log_every=args.log_every, command=command)

@@ -1,4 +1,4 @@
-"""``python -m polestar_jax.convert``: HF LLaDA safetensors <-> converted orbax folders.
+"""``python -m polestar_jax.convert``: HF LLaDA / Dream safetensors <-> converted orbax folders.
 
 The reusable logic lives in :mod:`polestar_jax.convert.hf`; ``__main__`` is the thin command line.
 """

@@ -25,7 +25,8 @@ DTYPE_CHOICES = ("bfloat16", "float32")
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="python -m polestar_jax.convert",
-                description="Convert an HF LLaDA checkpoint (safetensors) to an orbax folder, or back with --to-hf.")
+                description="Convert an HF LLaDA or Dream checkpoint (safetensors, single or sharded) to an orbax "
+                            "folder, or back with --to-hf.")
     p.add_argument("src", metavar="SRC_DIR", help="HF folder (or, with --to-hf, a converted folder)")
     p.add_argument("dst", metavar="OUT_DIR", help="output folder (its params/ and config.json are replaced)")
     p.add_argument("--to-hf", action="store_true", help="export SRC_DIR as an HF safetensors folder")

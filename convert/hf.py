@@ -1,4 +1,4 @@
-"""Conversion between Hugging Face LLaDA folders and our converted (orbax) folders."""
+"""Conversion between Hugging Face LLaDA / Dream folders and our converted (orbax) folders."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,9 +45,11 @@ def _source_config(path: str) -> dict:
 
 def convert_hf_to_orbax(hf_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike],
                         dtype: DTypeLike = None) -> ConversionSummary:
-    """Converts an HF LLaDA folder (``config.json`` + ``model.safetensors`` or sharded index) into a converted
-    folder (``config.json`` + orbax ``params/``), casting to ``dtype`` if given, and copies the tokenizer /
-    generation config files. See :func:`polestar_jax.checkpoint.save_converted` for overwrite behaviour."""
+    """Converts an HF LLaDA or Dream folder (``config.json`` + ``model.safetensors`` or sharded index; the
+    family's tensor names, :mod:`polestar_jax.checkpoint`) into a converted folder (``config.json`` + orbax
+    ``params/``), casting to ``dtype`` if given, and copies the tokenizer / generation config files
+    (:data:`~polestar_jax.checkpoint.AUX_FILES`). See :func:`polestar_jax.checkpoint.save_converted` for
+    overwrite behaviour."""
     hf_dir = require_folder(hf_dir)
     out_dir = os.fspath(out_dir)
     _check_distinct(hf_dir, out_dir)

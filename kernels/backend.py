@@ -83,11 +83,6 @@ def resolve_backend(kind: str, platform: Optional[str] = None, kernel: Optional[
     return "pallas" if ok else "reference"
 
 
-def flavor_for(platform: Optional[str] = None) -> str:
-    """The kernel flavour ("triton" or "mosaic") compiled for ``platform``; "triton" elsewhere."""
-    return FLAVORS.get(_canonical_platform(platform), "triton")
-
-
 def dispatch(name: str, backend: str, args: tuple, *, reference: Callable, pallas: Callable[[str, bool], Callable],
              interpret_flavor: str = "triton"):
     """Calls the implementation of kernel ``name`` that ``backend`` selects.

@@ -57,7 +57,7 @@ MODES = ("token", "cluster")
 def kl_terms(p: jax.Array, pp: jax.Array, mode: str) -> jax.Array:
     """Elementwise KL terms of the new probabilities ``p`` against the previous ``pp`` (float32, same shape):
     "token": both clamped at 1e-12 before the logs; "cluster": logs of ``p + 1e-12``. The one definition of
-    the drift math (also used by :mod:`polestar_jax.drift`)."""
+    the drift math (used by the kernel body, :func:`kl_drift_reference` and ``tests/drift_refs.py``)."""
     if mode == "token":
         a = jnp.maximum(p, TOKEN_EPS)
         c = jnp.maximum(pp, TOKEN_EPS)
@@ -72,7 +72,8 @@ def kl_drift_reference(q: jax.Array, k: jax.Array, key_valid: Optional[jax.Array
     """Plain-jnp :func:`kl_drift` (same signature; the block / backend arguments are ignored).
 
     Scores and softmax exactly as :func:`polestar_jax.model.attention` / :func:`polestar_jax.drift.proxy_attention`
-    compute them, KL exactly as :func:`polestar_jax.drift.token_drift` / :func:`~polestar_jax.drift.cluster_drift`.
+    compute them, KL as :func:`kl_terms` (``docs/algorithm.md#token-drift``, ``#cluster-drift``; the tests'
+    ``tests/drift_refs.py`` applies the same formula to materialised probabilities).
     """
     del interpret, block_l, block_t, backend, flavor
     _check(q, k, key_valid, p_prev, mode)

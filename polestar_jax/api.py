@@ -26,7 +26,7 @@ size, exactly as the ``i``-th prompt of ``generate --prompts-file``.
 Accounting, as ``bench.run`` counts it (and the paper): ``non_eos_tokens`` = generated ids that are not the
 model's EOS / pad id; ``tpf`` = non-EOS tokens / forwards (NFE); ``tps`` = non-EOS tokens / decode seconds
 (compile time apart, in ``compile_seconds``). The response text is cut at the first end-of-text id (EOS, pad
-or ``<|eot_id|>``) and decoded without special tokens.
+or the chat end-of-turn token, ``<|eot_id|>`` / ``<|im_end|>``) and decoded without special tokens.
 """
 from __future__ import annotations
 
@@ -90,13 +90,11 @@ def decode_config(defaults: Optional[Mapping[str, int]] = None, polestar: Option
     dec["gen_length"] = gen
     dec["decoder"] = decoder
     _check_types(dec, DecodeConfig)
-    if polestar is None and family is not None and decoder == "polestar":
-        from polestar_jax.family import FAMILIES
+    if polestar is None:
+        from polestar_jax.family import polestar_config_for
 
-        pc = FAMILIES[family].polestar_config(**_check_types(knobs, PolestarConfig))
-    else:
-        pc = polestar if polestar is not None else PolestarConfig(**_check_types(knobs, PolestarConfig))
-    return DecodeConfig(**dec, polestar=pc)
+        polestar = polestar_config_for(family, decoder, **_check_types(knobs, PolestarConfig))
+    return DecodeConfig(**dec, polestar=polestar)
 
 
 def _check_types(values: dict, cls) -> dict:
@@ -118,11 +116,12 @@ def _check_types(values: dict, cls) -> dict:
             base = str
         check = ok.get(base)
         if check is not None and not check(v):
-            raise PolestarError(f"{name} must be {_type_word(base)}, got {v!r}")
+            raise PolestarError(f"{name} must be {type_word(base)}, got {v!r}")
     return values
 
 
-def _type_word(tp) -> str:
+def type_word(tp) -> str:
+    """How an error message names the type ``tp`` ("an integer", "a number", "true or false", "a string")."""
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
@@ -261,9 +260,8 @@ class Model:
         self.dtype = dtype
         self.tokenizer = load_tokenizer(self.path)
         cfg = self.config
-        #: ids that end a response (EOS, pad, <|eot_id|>)
-        self.stop_ids = frozenset({cfg.eos_token_id, cfg.pad_token_id} |
-                                  ({self.tokenizer.token_to_id(EOT_TOKEN)} - {None}))
+        #: ids that end a response (EOS, pad, the chat end-of-turn token: <|eot_id|>, <|im_end|>)
+        self.stop_ids = frozenset({cfg.eos_token_id, cfg.pad_token_id}) | self.tokenizer.end_of_turn_ids
         #: ids TPF does not count (EOS, pad), as bench.run and the paper
         self.eos_ids = frozenset({cfg.eos_token_id, cfg.pad_token_id})
 

@@ -57,7 +57,7 @@ __all__ = [
     "Params", "HF_PREFIX", "CONFIG_FILE", "SAFETENSORS_FILE", "INDEX_FILE", "PARAMS_SUBDIR", "FORMAT_KEY",
     "resolve_dtype", "param_shapes", "hf_shapes", "validate_params", "count_params", "params_dtype",
     "hf_to_params", "params_to_hf", "read_hf_folder", "is_hf_folder", "is_converted_folder",
-    "load_model", "save_converted", "export_hf", "copy_aux_files", "require_folder",
+    "load_model", "save_converted", "export_hf", "copy_aux_files", "require_folder", "AUX_FILES",
 ]
 
 Params = dict[str, Any]
@@ -433,7 +433,7 @@ def _read_orbax_params(params_dir: str, cfg: ModelConfig, shardings: Any = None)
             dict(tree), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
         if shardings is not None:
             target = jax.tree.map(lambda t, sh: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sh),
-                                  target, _resolve_shardings(shardings, target))
+                                  target, _resolve_shardings(shardings, target, cfg))
         try:
             return ckptr.restore(params_dir, target)
         except Exception as e:  # noqa: BLE001
@@ -449,13 +449,13 @@ def _read_orbax_params(params_dir: str, cfg: ModelConfig, shardings: Any = None)
 _ST_FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 
-def _resolve_shardings(shardings: Any, abstract: Params) -> Any:
+def _resolve_shardings(shardings: Any, abstract: Params, cfg: Optional[ModelConfig] = None) -> Any:
     """A pytree of ``jax.sharding.Sharding`` for ``abstract``: ``shardings`` itself, or, for a
-    ``jax.sharding.Mesh``, :func:`polestar_jax.sharding.param_shardings` over it."""
+    ``jax.sharding.Mesh``, :func:`polestar_jax.sharding.param_shardings` over it (whole heads per ``cfg``)."""
     if isinstance(shardings, jax.sharding.Mesh):
         from polestar_jax.sharding import param_shardings
 
-        return param_shardings(abstract, shardings)
+        return param_shardings(abstract, shardings, cfg)
     return shardings
 
 
@@ -469,7 +469,7 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
 
     import safetensors
 
-    from polestar_jax.safetensors_io import _errors
+    from polestar_jax.safetensors_io import library_errors
 
     entries = _hf_entries(cfg)
     names = _matched_names(tensors, cfg, entries)
@@ -482,9 +482,9 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
             src = names[name]
             path = files[src]
             if path not in handles:
-                with _errors(path):
+                with library_errors(path):
                     handles[path] = stack.enter_context(safetensors.safe_open(path, framework="numpy"))
-            with _errors(path):
+            with library_errors(path):
                 return handles[path].get_slice(src)
 
         stored: dict[str, np.dtype] = {}
@@ -508,12 +508,12 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
                     dt = np.promote_types(dt, stored[n])
             shape = shapes["blocks"][key] if layered else shapes[key]
             (abstract["blocks"] if layered else abstract)[key] = jax.ShapeDtypeStruct(tuple(shape), dt)
-        target = _resolve_shardings(shardings, abstract)
+        target = _resolve_shardings(shardings, abstract, cfg)
 
         def read(name: str, index: tuple) -> np.ndarray:
             e = entries[name]
             sl = tensor_slice(name)
-            with _errors(files[names[name]]):
+            with library_errors(files[names[name]]):
                 arr = sl[tuple(reversed(index)) if e.transpose else tuple(index)]
             return arr.T if e.transpose else arr
 
@@ -720,12 +720,18 @@ def export_hf(out_dir: Union[str, os.PathLike], cfg: ModelConfig, params: Mappin
     return files
 
 
+#: The tokenizer, chat-template, generation and remote-code files a conversion carries over (LLaDA's and
+#: Dream's: a Dream folder may hold its Qwen2 tokenizer as vocab.json + merges.txt).
+AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+             "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+             "configuration_llada.py", "modeling_llada.py",
+             "configuration_dream.py", "modeling_dream.py", "generation_utils.py", "tokenization_dream.py")
+
+
 def copy_aux_files(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os.PathLike],
-                   names: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                              "generation_config.json", "tokenizer.model",
-                                              "configuration_llada.py", "modeling_llada.py")) -> list[str]:
-    """Copies the tokenizer / generation / remote-code files among ``names`` that exist in ``src_dir`` to
-    ``dst_dir``; returns the copied names."""
+                   names: tuple[str, ...] = AUX_FILES) -> list[str]:
+    """Copies the tokenizer / generation / remote-code files among ``names`` (default :data:`AUX_FILES`) that
+    exist in ``src_dir`` to ``dst_dir``; returns the copied names."""
     copied = []
     for name in names:
         src = os.path.join(os.fspath(src_dir), name)

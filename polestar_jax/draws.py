@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from polestar_jax import cluster as C
+from polestar_jax.cluster import KMeansDraws
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.polestar_state import Geometry
 from polestar_jax.state import DecodeState
@@ -58,7 +58,7 @@ def uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:
 
 
 def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
-                      replay: Optional[Replay]) -> tuple[C.KMeansDraws, C.KMeansDraws]:
+                      replay: Optional[Replay]) -> tuple[KMeansDraws, KMeansDraws]:
     """k-means draws of the block-start pass for every layer and row: ([N, b] prefix, [N, b] suffix)."""
     n, k, it = cfg.n_layers, pc.n_clusters, pc.kmeans_iters
     wp, ws = pc.prefix_rows(block), pc.suffix_rows(block)
@@ -67,8 +67,8 @@ def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: P
         init, reseed = at(replay.km_init), at(replay.km_reseed)  # [b, N, 2, ...]
         lp, ls, forced = at(replay.km_labels_pre), at(replay.km_labels_suf), at(replay.km_forced)
         sw = lambda a: jnp.swapaxes(a, 0, 1)
-        pre = C.KMeansDraws(sw(init[:, :, 0]), sw(reseed[:, :, 0]), sw(lp), sw(forced[:, :, 0]))
-        suf = C.KMeansDraws(sw(init[:, :, 1]), sw(reseed[:, :, 1]), sw(ls), sw(forced[:, :, 1]))
+        pre = KMeansDraws(sw(init[:, :, 0]), sw(reseed[:, :, 0]), sw(lp), sw(forced[:, :, 0]))
+        suf = KMeansDraws(sw(init[:, :, 1]), sw(reseed[:, :, 1]), sw(ls), sw(forced[:, :, 1]))
         return pre, suf
 
     def row(key, nfe, pre_len, suf_len):
@@ -91,6 +91,6 @@ def block_start_draws(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: P
     b = state.x.shape[0]
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     no = jnp.zeros((n, b), bool)
-    pre = C.KMeansDraws(sw(init[:, :, 0]), sw(reseed[:, :, 0]), jnp.zeros((n, b, it, wp), jnp.int32), no)
-    suf = C.KMeansDraws(sw(init[:, :, 1]), sw(reseed[:, :, 1]), jnp.zeros((n, b, it, ws), jnp.int32), no)
+    pre = KMeansDraws(sw(init[:, :, 0]), sw(reseed[:, :, 0]), jnp.zeros((n, b, it, wp), jnp.int32), no)
+    suf = KMeansDraws(sw(init[:, :, 1]), sw(reseed[:, :, 1]), jnp.zeros((n, b, it, ws), jnp.int32), no)
     return pre, suf

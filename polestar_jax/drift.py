@@ -20,13 +20,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from polestar_jax import model as M
+from polestar_jax.model import LayerParams
 from polestar_jax.config import ModelConfig
 
 _NEG = -1e30
 
 
-def proxy_queries(lp: M.LayerParams, centroids: jax.Array, cfg: ModelConfig) -> jax.Array:
+def proxy_queries(lp: LayerParams, centroids: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Centroids as proxy queries: attention-normed and projected by W_q, no RoPE.
     centroids [b, K, D] -> [b, H, K, hd]."""
     from polestar_jax.family import family_of
@@ -34,7 +34,7 @@ def proxy_queries(lp: M.LayerParams, centroids: jax.Array, cfg: ModelConfig) -> 
     return family_of(cfg).project_q(lp, centroids, cfg)
 
 
-def proxy_inputs(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg: ModelConfig,
+def proxy_inputs(lp: LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg: ModelConfig,
                  mode: str = "heads") -> tuple[jax.Array, jax.Array]:
     """The queries [b, H', K, hd] and keys [b, KV', L, hd] of the cluster proxy attention:
     ``mode="heads"`` (LLaDA) the projected centroids and the cached keys per head (H' = H, KV' = KV);
@@ -47,7 +47,7 @@ def proxy_inputs(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array, cf
     return q, k_unrot
 
 
-def proxy_attention(lp: M.LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg: ModelConfig,
+def proxy_attention(lp: LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg: ModelConfig,
                     key_valid: Optional[jax.Array], mode: str = "heads") -> jax.Array:
     """Attention of the centroids as queries against all cached keys.
 

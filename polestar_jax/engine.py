@@ -175,15 +175,13 @@ def generate(
     spec = EngineSpec.from_config(mcfg, dcfg)
     knobs = Knobs.from_config(dcfg)
     dtype = jax.tree.leaves(params)[0].dtype
-    place = None
     if mesh is not None:
         from polestar_jax import sharding
 
-        params = sharding.shard(params, sharding.param_shardings(params, mesh))
-        place = lambda s: sharding.shard(s, sharding.state_shardings(s, mesh))
+        params = sharding.shard(params, sharding.param_shardings(params, mesh, mcfg))  # whole heads (GQA)
         if replay is not None:
             replay = sharding.shard(replay, sharding.state_shardings(replay, mesh))
-    state = init_decode_state(mcfg, dcfg, prompts, slot, seed=seed, rows=rows, dtype=dtype, place=place)
+    state = init_decode_state(mcfg, dcfg, prompts, slot, seed=seed, rows=rows, dtype=dtype, mesh=mesh)
     fn, compile_seconds = compiled_block(params, state, knobs, spec, replay)
     t0 = time.perf_counter()
     steps = []
@@ -193,12 +191,11 @@ def generate(
     dispatch_seconds = time.perf_counter() - t0  # host time to enqueue every block
     from polestar_jax.sharding import to_host
 
-    x, cstep, nfe, bnfe, pol, steps = to_host(
-        (state.x, state.commit_step, state.nfe, state.block_nfe, state.polestar, steps))
+    # only what the result reports: not the Polestar store, clusters or proxy attention
+    stats = None if state.polestar is None else {k: getattr(state.polestar, k) for k in STAT_FIELDS}
+    x, cstep, nfe, bnfe, pol, steps = to_host((state.x, state.commit_step, state.nfe, state.block_nfe, stats, steps))
     seconds = time.perf_counter() - t0
-    pstats = None
-    if pol is not None:
-        pstats = {k: np.asarray(getattr(pol, k)) for k in STAT_FIELDS}
+    pstats = None if pol is None else {k: np.asarray(v) for k, v in pol.items()}
     return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
                           nfe=np.asarray(nfe), block_nfe=np.asarray(bnfe), seconds=seconds,
                           compile_seconds=compile_seconds, dispatch_seconds=dispatch_seconds, polestar=pstats,

@@ -24,6 +24,11 @@ device) and ``OUT/samples_<task>.jsonl`` (lm-eval's per-sample records, each wit
 under ``polestar_jax``); an existing ``OUT/results.json`` is never overwritten. Tasks that execute generated
 code (HumanEval, MBPP) run only with ``--allow-code-execution``. Bad input is one ``error:`` line and exit
 status 2; Ctrl-C ends the run with ``interrupted`` and status 130.
+
+Several processes or hosts (``--coordinator HOST:PORT --num-processes N --process-id I``, or the
+``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment, as ``generate``) evaluate
+together over one ``--mesh`` spanning all their devices: every process runs every request, process 0 alone
+writes the files and prints, and all exit with the same status.
 """
 from __future__ import annotations
 
@@ -115,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-args", default="", help="more polestar-jax model_args, k=v,... (see "
                                                       "polestar_jax.lm_eval_model)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
-    ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
+    ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4 (with several "
+                                                 "processes: over all their devices)")
+    cli.add_distributed_flags(ap)
     ap.add_argument("--allow-code-execution", action="store_true",
                     help="allow tasks that execute generated code (HumanEval, MBPP)")
     ap.add_argument("--bootstrap-iters", type=int, default=100000,
@@ -197,10 +204,8 @@ def _quiet_lm_eval(verbose: bool) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def run(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    out_dir = args.output_path
-    results_path = _results_path(out_dir)
+def _tasks_and_preset(args) -> tuple[list[str], Optional[Preset]]:
+    """The command line's task names and preset, checked (one-line errors for bad input)."""
     if args.model is not None:
         cli.need_folder(args.model)
     for p in args.include_path:
@@ -212,45 +217,43 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         raise PolestarError(f"--limit must be positive, got {args.limit:g}")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise PolestarError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
-    preset = PRESETS[args.preset] if args.preset else None
     try:
         import lm_eval  # noqa: F401
     except ImportError:
         raise PolestarError("lm-eval is not installed: pip install -e '.[eval]'") from None
-    _quiet_lm_eval(args.verbose)
-    model_args = model_args_from(args, preset)
     code = [t for t in tasks if any(t == c or t.startswith(c + "_") for c in CODE_TASKS)]
     if code and not args.allow_code_execution:
         raise PolestarError(f"{', '.join(code)} executes generated code: pass --allow-code-execution")
+    return tasks, (PRESETS[args.preset] if args.preset else None)
 
-    from lm_eval import evaluator
+
+def _task_manager(include_path: Sequence[str], tasks: Sequence[str]):
+    """lm-eval's TaskManager for ``tasks``: the include paths' YAMLs alone when they hold every task (no
+    indexing of lm-eval's thousands), else all of them; a one-line error for an unknown task."""
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable
 
-    from polestar_jax.lm_eval_model import MODEL_NAME, PolestarLM
-
-    lm = PolestarLM(**model_args)  # model_args are checked before anything is loaded
     tm = None
-    if args.include_path:  # tasks all found in the include paths: skip indexing lm-eval's thousands of YAMLs
-        tm = TaskManager(include_path=args.include_path, include_defaults=False)
+    if include_path:
+        tm = TaskManager(include_path=list(include_path), include_defaults=False)
         if not all(tm.match_tasks([t]) for t in tasks):
             tm = None
-    tm = tm or TaskManager(include_path=args.include_path or None)
+    tm = tm or TaskManager(include_path=list(include_path) or None)
     unknown = [t for t in tasks if not tm.match_tasks([t])]
     if unknown:
         raise PolestarError(f"unknown task(s) {', '.join(unknown)} (see lm-eval's task list; local tasks need "
                             "--include-path)")
-    if args.allow_code_execution:
-        os.environ["HF_ALLOW_CODE_EVAL"] = "1"
-    chat = args.apply_chat_template if args.apply_chat_template is not None else bool(preset and
-                                                                                      preset.apply_chat_template)
-    multiturn = bool(args.fewshot_as_multiturn) if args.fewshot_as_multiturn is not None else bool(
-        preset and preset.fewshot_as_multiturn)
-    seed = model_args["seed"]
+    return tm
+
+
+def _evaluate(lm, tasks: Sequence[str], tm, args, preset: Optional[Preset], chat: bool, multiturn: bool,
+              seed: int) -> tuple[dict, dict]:
+    """lm-eval's ``simple_evaluate`` task by task with ``lm``; returns the merged results and, per group
+    task (minerva_math), the accounting of its subtasks' requests together."""
+    from lm_eval import evaluator
+
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     results: dict = {}
     groups: dict[str, dict] = {}
-    t0 = time.perf_counter()
     for task in tasks:
         first = len(lm.records)
         shots = args.num_fewshot if args.num_fewshot is not None else (preset.num_fewshot.get(task) if preset
@@ -273,14 +276,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         subtasks = {r["task"] for r in lm.records[first:]}
         if subtasks and subtasks != {task}:  # a group (minerva_math): its subtasks' requests together
             groups[task] = lm.summary(lm.records[first:])
-    total_s = time.perf_counter() - t0
-    samples = results.pop("samples", {})
-    results.setdefault("config", {}).update(model=MODEL_NAME, model_args=model_args, batch_size=lm.batch_size)
+    return results, groups
+
+
+def _run_record(args, argv, lm, acct: dict, chat: bool, multiturn: bool, seed: int, total_s: float) -> dict:
+    """results.json's ``polestar_jax`` record: the accounting and what defines the run."""
     import jax
 
-    acct = lm.accounting()
-    acct["tasks"].update(groups)
-    results["polestar_jax"] = {
+    return {
         **acct,
         "preset": args.preset, "seed": seed, "limit": args.limit, "num_fewshot": args.num_fewshot,
         "apply_chat_template": chat, "fewshot_as_multiturn": multiturn,
@@ -292,6 +295,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "total_seconds": total_s,
     }
+
+
+def _write_outputs(out_dir: str, results: dict, samples: dict, lm) -> str:
+    """Writes ``samples_<task>.jsonl`` (each sample with its requests' accounting) and ``results.json``;
+    returns the latter's path."""
+    from lm_eval.utils import handle_non_serializable
+
     os.makedirs(out_dir, exist_ok=True)
     results_path = _results_path(out_dir)  # again: another run may have finished meanwhile
     for task, rows in samples.items():
@@ -302,6 +312,48 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         cli.atomic_write(os.path.join(out_dir, f"samples_{task}.jsonl"), "\n".join(lines) + ("\n" if lines else ""))
     cli.atomic_write(results_path, json.dumps(results, indent=2, default=handle_non_serializable,
                                               ensure_ascii=False) + "\n")
+    return results_path
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    out_dir = args.output_path
+    _results_path(out_dir)
+    tasks, preset = _tasks_and_preset(args)
+    _quiet_lm_eval(args.verbose)
+    model_args = model_args_from(args, preset)
+
+    from lm_eval.utils import handle_non_serializable
+
+    from polestar_jax import sharding
+    from polestar_jax.lm_eval_model import MODEL_NAME, PolestarLM
+
+    # several processes: every one evaluates every request (SPMD over one mesh); process 0 writes and prints
+    multi = cli.join_from_args(args)  # before anything uses a device
+    leader = sharding.is_leader()
+    if multi and not model_args.get("mesh") and leader:
+        print("warning: several processes but no --mesh: every process evaluates on its own first device",
+              file=sys.stderr)
+    lm = PolestarLM(**(model_args if leader else dict(model_args, progress=False)))  # args checked, then loaded
+    tm = _task_manager(args.include_path, tasks)
+    if args.allow_code_execution:
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"
+    chat = args.apply_chat_template if args.apply_chat_template is not None else bool(preset and
+                                                                                      preset.apply_chat_template)
+    multiturn = bool(args.fewshot_as_multiturn) if args.fewshot_as_multiturn is not None else bool(
+        preset and preset.fewshot_as_multiturn)
+    seed = model_args["seed"]
+    t0 = time.perf_counter()
+    results, groups = _evaluate(lm, tasks, tm, args, preset, chat, multiturn, seed)
+    total_s = time.perf_counter() - t0
+    samples = results.pop("samples", {})
+    results.setdefault("config", {}).update(model=MODEL_NAME, model_args=model_args, batch_size=lm.batch_size)
+    acct = lm.accounting()
+    acct["tasks"].update(groups)
+    results["polestar_jax"] = _run_record(args, argv, lm, acct, chat, multiturn, seed, total_s)
+    if not leader:
+        return 0
+    results_path = _write_outputs(out_dir, results, samples, lm)
     _print_summary(results, acct)
     print(f"wrote {results_path}")
     if args.json:

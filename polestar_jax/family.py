@@ -20,13 +20,13 @@ A second family is a new model module and one :data:`FAMILIES` entry; its config
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from polestar_jax import model as M
-from polestar_jax import model_dream as MD
+from polestar_jax import model
+from polestar_jax import model_dream
 from polestar_jax.config import ModelConfig
 from polestar_jax.errors import ConfigError
 
@@ -64,22 +64,46 @@ class Family:
             return self.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, length, axis=1), cfg)
         return self.lm_head(params, jnp.take(h, rows, axis=1), cfg)
 
+    def logits(self, params, ids: jax.Array, cfg: ModelConfig, key_valid=None) -> jax.Array:
+        """Float32 logits [b, L, V] predicting every position of ``ids`` [b, L] from one plain forward over it
+        (positions 0..L-1; keys masked by ``key_valid`` [b, L] when given), with the family's alignment."""
+        b, length = ids.shape
+        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+        out = self.forward(params, ids, cfg, pos, pos, key_valid)
+        return self.head_at(params, out.h, cfg, 0, length)
 
-LLADA = Family(name="llada", embed=M.embed, layer=M.layer, forward=M.forward, project_q=M.project_q,
-               project_kv=M.project_kv, lm_head=M.lm_head, logit_shift=0)
+
+LLADA = Family(name="llada", embed=model.embed, layer=model.layer, forward=model.forward,
+               project_q=model.project_q, project_kv=model.project_kv, lm_head=model.lm_head, logit_shift=0)
 
 #: Dream (Qwen2 layout, q/k/v biases; :mod:`polestar_jax.model_dream`): trained autoregressively, so row
 #: ``p-1`` of a forward's input span predicts position ``p`` (the span's first row also predicts itself).
 #: Its official Polestar path clusters a fixed 64 rows back / 32 ahead in full passes, scores clusters with a
 #: head-averaged proxy attention, patches K/V with the clustered rows only, and its ``torch.topk`` ranks the
 #: two block positions that share a logits row later-first (``docs/algorithm.md#dream``).
-DREAM = Family(name="dream", embed=MD.embed, layer=MD.layer, forward=MD.forward, project_q=MD.project_q,
-               project_kv=MD.project_kv, lm_head=MD.lm_head, logit_shift=1,
+DREAM = Family(name="dream", embed=model_dream.embed, layer=model_dream.layer, forward=model_dream.forward,
+               project_q=model_dream.project_q, project_kv=model_dream.project_kv, lm_head=model_dream.lm_head,
+               logit_shift=1,
                polestar_defaults=(("full_prefix_rows", 64), ("full_suffix_rows", 32), ("proxy_score", "mean"),
                                   ("patch_kv", "clustered"), ("tie_break", "shared_row")))
 
 #: ``ModelConfig.family`` -> its :class:`Family`.
 FAMILIES = {"llada": LLADA, "dream": DREAM}
+
+
+def polestar_config_for(family: Optional[str], decoder: str = "polestar", **given: Any):
+    """The :class:`~polestar_jax.config.PolestarConfig` a decoder runs with on a model of ``family``
+    (``ModelConfig.family``; None: no family, the plain defaults): for decoder ``polestar`` the family's
+    official Polestar parameters (:attr:`Family.polestar_defaults`) with the fields in ``given`` over them;
+    other decoders carry ``PolestarConfig(**given)``. The text API, the generate CLI and the lm-eval model
+    take their Polestar defaults from here."""
+    from polestar_jax.config import PolestarConfig
+
+    if family is None or decoder != "polestar":
+        return PolestarConfig(**given)
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown model family {family!r} (known: {', '.join(FAMILIES)})")
+    return FAMILIES[family].polestar_config(**given)
 
 
 def family_of(cfg: ModelConfig) -> Family:

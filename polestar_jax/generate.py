@@ -1,4 +1,4 @@
-"""``python -m polestar_jax.generate``: generate a response with a LLaDA model folder.
+"""``python -m polestar_jax.generate``: generate a response with a LLaDA or Dream model folder.
 
 Loads an HF folder or a converted (orbax) folder, renders the prompt with the folder's chat template, runs
 the chosen decoder and prints the response and one stats line (NFE, tokens per forward, tokens/s, compile
@@ -34,7 +34,8 @@ _PLAN_FLAGS = {"model_config": None, "batch": 1, "prompt_length": 128}
 
 def build_parser() -> argparse.ArgumentParser:
     ap = cli.Parser(prog="python -m polestar_jax.generate",
-                    description="Generate text with a LLaDA diffusion LM (Polestar, Fast-dLLM or LLaDA decoders).")
+                    description="Generate text with a LLaDA or Dream diffusion LM (Polestar, Fast-dLLM or LLaDA "
+                                "decoders).")
     ap.add_argument("--model", help="model folder (HF or converted; default: the bundled tiny_tasks model, "
                                     "polestar_jax/assets/tiny_tasks)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
@@ -44,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = ap.add_argument_group("decoding (DecodeConfig; gen/block length default to the model folder's "
                               "generation_config.json, else 128/32; cache: none for llada, else dual)")
     cli.add_config_flags(d, DecodeConfig)
-    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoder polestar only; defaults = the reference code)")
+    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoder polestar only; defaults = the reference code; "
+                              "a Dream model starts from Dream's official values of --full-prefix-rows, "
+                              "--full-suffix-rows, --proxy-score, --patch-kv, --tie-break)")
     cli.add_config_flags(g, PolestarConfig)
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4 (with several "
                                                  "processes: over all their devices)")
@@ -61,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def decode_config_from_args(args, defaults: Optional[dict] = None) -> DecodeConfig:
+def decode_config_from_args(args, defaults: Optional[dict] = None, family: Optional[str] = None) -> DecodeConfig:
     """The :class:`DecodeConfig` of the parsed arguments. ``defaults`` (the model folder's
     :func:`polestar_jax.checkpoint.generation_defaults`) fill ``--gen-length`` / ``--block-length`` when
-    they are not given. Raises :class:`PolestarError` for a flag that would have no effect."""
+    they are not given; ``family`` (the model's ``ModelConfig.family``) gives decoder polestar its family's
+    Polestar parameters under the knobs given (:func:`polestar_jax.family.polestar_config_for`, as the text
+    API and the lm-eval model). Raises :class:`PolestarError` for a flag that would have no effect."""
     defaults = defaults or {}
     given = cli.given_config_values(args, DecodeConfig)
     knobs = cli.given_config_values(args, PolestarConfig)
@@ -84,7 +89,9 @@ def decode_config_from_args(args, defaults: Optional[dict] = None) -> DecodeConf
     if "block_length" not in given:
         given["block_length"] = min(defaults.get("block_length", 32), gen)
     given["gen_length"] = gen
-    return DecodeConfig(**{**given, "decoder": decoder}, polestar=PolestarConfig(**knobs))
+    from polestar_jax.family import polestar_config_for
+
+    return DecodeConfig(**{**given, "decoder": decoder}, polestar=polestar_config_for(family, decoder, **knobs))
 
 
 def read_prompts(args) -> list[str]:
@@ -143,6 +150,15 @@ def dry_run(args, dcfg: DecodeConfig) -> int:
     return 0
 
 
+def _family(path: str) -> Optional[str]:
+    """The model family of the folder (or config.json) ``path``; None when its config does not read (the
+    loader then reports why, in one line)."""
+    try:
+        return ModelConfig.from_json(path).family
+    except PolestarError:
+        return None
+
+
 def _check_plan_flags(args) -> None:
     if not args.dry_run:
         for name in _PLAN_FLAGS:
@@ -159,7 +175,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     from polestar_jax.tokenizer import bundled_model_dir
 
     defaults = {} if args.dry_run and args.model_config else generation_defaults(args.model or bundled_model_dir())
-    dcfg = decode_config_from_args(args, defaults)
+    dcfg = decode_config_from_args(args, defaults, _family(args.model_config if args.dry_run and args.model_config
+                                                           else args.model or bundled_model_dir()))
     prompts = None if args.dry_run else read_prompts(args)
     enable_compile_cache()
     if args.dry_run:
@@ -184,10 +201,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if not sharding.is_leader():  # process 0 prints the results (every process has them)
         return 0
 
-    stop = {cfg.eos_token_id, cfg.pad_token_id}
-    eot = tok.token_to_id("<|eot_id|>")
-    if eot is not None:
-        stop.add(eot)
+    stop = {cfg.eos_token_id, cfg.pad_token_id} | tok.end_of_turn_ids  # and <|eot_id|> / <|im_end|>
     rows = []
     for r in range(len(prompts)):
         gen = res.tokens[r].tolist()

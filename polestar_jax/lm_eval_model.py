@@ -27,9 +27,9 @@ generate_until
     block length that holds it) unless ``gen_length`` is given, which then serves every request (the
     paper's protocol: gen 256 or 512 whatever the task asks). The prompt is the context lm-eval built
     (rendered with our chat template when lm-eval's ``apply_chat_template`` is on, as it is) encoded
-    without added special tokens. The response is cut at the first end-of-text id (EOS, pad,
-    ``<|eot_id|>``), decoded without special tokens, then cut at the first of the task's ``until`` strings
-    (``apply_until=false`` keeps the whole response).
+    without added special tokens. The response is cut at the first end-of-text id (EOS, pad, the chat
+    end-of-turn ``<|eot_id|>`` / ``<|im_end|>``), decoded without special tokens, then cut at the first of
+    the task's ``until`` strings (``apply_until=false`` keeps the whole response).
 
 loglikelihood
     LLaDA's Monte-Carlo estimate of ``log p(continuation | context)`` (the LLaDA paper's evaluation,
@@ -41,7 +41,8 @@ loglikelihood
     (logits ``u + (cfg + 1)(c - u)``, ``u`` with the context masked). ``check_greedy=true`` also decodes the
     continuation one token per forward (most confident first) and reports whether it reproduces it
     (LLaDA's default is on; its authors recommend off, as here: the flag is then False). Draws come from
-    ``(seed, i)`` for request ``i`` of a task. ``loglikelihood_rolling`` (perplexity) is not supported.
+    ``(seed, i)`` for request ``i`` of a task. The logits are the model family's (a Dream model predicts
+    position ``p`` from row ``p-1``). ``loglikelihood_rolling`` (perplexity) is not supported.
 
 Accounting (:meth:`PolestarLM.accounting`), per request and in total, counted as ``bench.run`` counts it:
 NFE, non-EOS generated tokens, decode seconds (a batch's seconds shared equally by its real requests; compile
@@ -129,7 +130,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if optional or key in ("model", "dtype", "mesh", "gen_length", "block_length", "steps"):
             return None
         raise PolestarError(f"model_args: {key}=none is not allowed")
-    bad = PolestarError(f"model_args: {key}={value!r} is not {api._type_word(tp)}")
+    bad = PolestarError(f"model_args: {key}={value!r} is not {api.type_word(tp)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -542,11 +543,14 @@ def _summary(records: Sequence[dict], compile_seconds: float) -> dict:
 
 
 def _guided_logits(params, noisy, uncond, valid, scale, mcfg, use_cfg: bool):
-    from polestar_jax.model import logits_full
+    """Logits predicting every position (the model family's forward and logit alignment: Dream predicts
+    position p from row p-1), with unsupervised classifier-free guidance when ``use_cfg``."""
+    from polestar_jax.family import family_of
 
-    logits = logits_full(params, noisy, mcfg, key_valid=valid)
+    fam = family_of(mcfg)
+    logits = fam.logits(params, noisy, mcfg, key_valid=valid)
     if use_cfg:
-        un = logits_full(params, uncond, mcfg, key_valid=valid)
+        un = fam.logits(params, uncond, mcfg, key_valid=valid)
         logits = un + (scale + 1.0) * (logits - un)
     return logits
 

@@ -62,8 +62,8 @@ def apply_rope(t: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (tf * cos[:, None] + rot * sin[:, None]).astype(t.dtype)
 
 
-def _split_heads(y: jax.Array, n: int) -> jax.Array:
-    """[b, T, n*hd] -> [b, n, T, hd]."""
+def split_heads(y: jax.Array, n: int) -> jax.Array:
+    """Projected rows [b, T, n*hd] -> per head [b, n, T, hd]."""
     b, t, _ = y.shape
     return y.reshape(b, t, n, -1).transpose(0, 2, 1, 3)
 
@@ -100,13 +100,13 @@ def project_qkv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Ar
 def project_q(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The query part of :func:`project_qkv`: q [b, H, T, hd]."""
     xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return _split_heads(xn @ lp["wq"], cfg.n_heads)
+    return split_heads(xn @ lp["wq"], cfg.n_heads)
 
 
 def project_kv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The key / value part of :func:`project_qkv`: k, v [b, KV, T, hd] (un-rotated)."""
     xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return _split_heads(xn @ lp["wk"], cfg.n_kv_heads), _split_heads(xn @ lp["wv"], cfg.n_kv_heads)
+    return split_heads(xn @ lp["wk"], cfg.n_kv_heads), split_heads(xn @ lp["wv"], cfg.n_kv_heads)
 
 
 def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -28,36 +28,36 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from polestar_jax import model as M
+from polestar_jax import model
 from polestar_jax.config import ModelConfig
 
-embed = M.embed
-lm_head = M.lm_head
-Rope, Keys, LayerOut, ForwardOut = M.Rope, M.Keys, M.LayerOut, M.ForwardOut
+embed = model.embed
+lm_head = model.lm_head
+Rope, Keys, LayerOut, ForwardOut = model.Rope, model.Keys, model.LayerOut, model.ForwardOut
 
 
-def project_q(lp: M.LayerParams, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+def project_q(lp: model.LayerParams, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Input norm and biased query projection of rows ``h`` [b, T, D]: q [b, H, T, hd] (un-rotated)."""
-    xn = M.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return M._split_heads(xn @ lp["wq"] + lp["bq"], cfg.n_heads)
+    xn = model.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    return model.split_heads(xn @ lp["wq"] + lp["bq"], cfg.n_heads)
 
 
-def project_kv(lp: M.LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def project_kv(lp: model.LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Biased key / value projections: k, v [b, KV, T, hd] (un-rotated, what the cache stores)."""
-    xn = M.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return (M._split_heads(xn @ lp["wk"] + lp["bk"], cfg.n_kv_heads),
-            M._split_heads(xn @ lp["wv"] + lp["bv"], cfg.n_kv_heads))
+    xn = model.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    return (model.split_heads(xn @ lp["wk"] + lp["bk"], cfg.n_kv_heads),
+            model.split_heads(xn @ lp["wv"] + lp["bv"], cfg.n_kv_heads))
 
 
 #: One Dream layer: :func:`polestar_jax.model.layer` with Dream's biased projections (same signature).
-layer = functools.partial(M.layer, q_proj=project_q, kv_proj=project_kv)
+layer = functools.partial(model.layer, q_proj=project_q, kv_proj=project_kv)
 #: All layers: :func:`polestar_jax.model.forward` over :data:`layer` (same signature).
-forward = functools.partial(M.forward, layer_fn=layer)
+forward = functools.partial(model.forward, layer_fn=layer)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> M.Params:
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> model.Params:
     """Random Dream parameters: LLaDA's random layout plus random q/k/v biases (tests, benchmarks)."""
-    params = M.init_params(cfg, key, dtype, std)
+    params = model.init_params(cfg, key, dtype, std)
     n, hq, hk = cfg.n_layers, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     kb = jax.random.split(jax.random.fold_in(key, 1), 3)
     bias = lambda k, w: (std * jax.random.normal(k, (n, w), jnp.float32)).astype(dtype)

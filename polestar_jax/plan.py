@@ -71,13 +71,13 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
     hs = other = transient = 0
     hs_memory = "device"
     if state.polestar is not None:
-        from polestar_jax import offload as OF
+        from polestar_jax.offload import HOST_MEMORY_KIND, host_memory_available
 
         store = (state.polestar.hs, state.polestar.hs_scale)
         hs = _nbytes(store) // batch
         other = (_nbytes(state.polestar) - _nbytes(store)) // batch
         if dcfg.polestar.offload_hidden != "none":
-            hs_memory = OF.HOST_MEMORY_KIND if OF.host_memory_available() else "device"
+            hs_memory = HOST_MEMORY_KIND if host_memory_available() else "device"
             transient = hs // cfg.n_layers
     compiled, secs = None, 0.0
     if compile_step:

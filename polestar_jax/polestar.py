@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax import commit as R
-from polestar_jax import drift as Dr
 from polestar_jax.block import BlockCtx, Policy, write_commits
+from polestar_jax.commit import Prediction, commit_threshold, noise_keys, predict
 from polestar_jax.draws import at_forward, block_start_draws
+from polestar_jax.drift import drift_delta, push_history
 from polestar_jax.family import family_of
 from polestar_jax.polestar_start import start_pass
 from polestar_jax.polestar_state import geometry, rows_at
@@ -57,14 +57,14 @@ class StepOut(NamedTuple):
     commit_suffix: jax.Array
 
 
-def _predict(ctx: BlockCtx, state: DecodeState, logits, cand, salt: int = 0) -> R.Prediction:
+def _predict(ctx: BlockCtx, state: DecodeState, logits, cand, salt: int = 0) -> Prediction:
     """The commit rules' prediction; with a temperature (``spec.stochastic``) the argmax is over
     Gumbel-perturbed logits keyed by the row and its forward count, as for the other decoders."""
     cfg = ctx.cfg
     if not ctx.spec.stochastic:
-        return R.predict(logits, cand, cfg.mask_token_id)
-    return R.predict(logits, cand, cfg.mask_token_id, ctx.knobs.temperature,
-                     R.noise_keys(state.rng, state.nfe, salt))
+        return predict(logits, cand, cfg.mask_token_id)
+    return predict(logits, cand, cfg.mask_token_id, ctx.knobs.temperature,
+                   noise_keys(state.rng, state.nfe, salt))
 
 
 def _windowed(ctx: BlockCtx):
@@ -90,7 +90,7 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
     masked = ctx.masked(state)
     active = jnp.any(masked, axis=1)
     pred = _predict(ctx, state, out.logits, masked)
-    transfer = R.commit_threshold(pred.conf, masked, ctx.knobs.threshold) & active[:, None]
+    transfer = commit_threshold(pred.conf, masked, ctx.knobs.threshold) & active[:, None]
     bi = ctx.block_idx
     new_pol = pol.replace(
         hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels, centroids=out.clusters.centroids,
@@ -168,11 +168,11 @@ def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, Ste
     geo = geometry(state, ctx.cs, ctx.block, pc)
     cluster, counter = _refresh_rows(ctx, state, active)
     out = _forward(ctx, state, geo, cluster)
-    delta = Dr.drift_delta(out.drift, pol.hist, pol.hist_fill)
-    hist, fill = Dr.push_history(pol.hist, pol.hist_fill, out.drift)
+    delta = drift_delta(out.drift, pol.hist, pol.hist_fill)
+    hist, fill = push_history(pol.hist, pol.hist_fill, out.drift)
     masked = ctx.masked(state)
     pred = _predict(ctx, state, out.logits, masked)
-    thr = R.commit_threshold(pred.conf, masked, ctx.knobs.threshold, _tie_order(ctx)) & active[:, None]
+    thr = commit_threshold(pred.conf, masked, ctx.knobs.threshold, _tie_order(ctx)) & active[:, None]
     early = _early(ctx, pred.conf, masked, delta, active)
     new = write_commits(state, thr | early, pred.x0, start=ctx.cs)
     new, commit_suf = _suffix(ctx, state, new, out, geo, cluster, active)

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax import cluster as C
-from polestar_jax import drift as Dr
-from polestar_jax import model as M
-from polestar_jax import offload as OF
+from polestar_jax import offload
+from polestar_jax.cluster import Clusters, KMeansDraws, cluster_windows
 from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.drift import proxy_attention
 from polestar_jax.family import family_of
 from polestar_jax.kernels.refresh import scatter_kv_rows
+from polestar_jax.model import Rope
 from polestar_jax.polestar_state import Geometry, rows_at
 from polestar_jax.state import DecodeState
 
@@ -26,7 +26,7 @@ class StartOut(NamedTuple):
     v: jax.Array
     hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.offload), host memory when offloaded
     hs_scale: jax.Array  # [N, b, R]
-    clusters: C.Clusters  # leaves [N, b, ...]
+    clusters: Clusters  # leaves [N, b, ...]
     s_prev: jax.Array  # [N, b, H, K, L] (H = 1 with proxy_score "mean")
     p_prev: jax.Array  # [b, H, B, L]
     logits: jax.Array  # [b, B, V]
@@ -49,8 +49,8 @@ class StartLayerIn(NamedTuple):
     lp: dict
     k_cache: jax.Array  # [b, KV, L, hd] (windowed pass) or None
     v_cache: jax.Array
-    draws_pre: C.KMeansDraws
-    draws_suf: C.KMeansDraws
+    draws_pre: KMeansDraws
+    draws_suf: KMeansDraws
 
 
 def pass_rows(state: DecodeState, geo: Geometry, pc: PolestarConfig, block: int, windowed: bool) -> PassRows:
@@ -70,20 +70,20 @@ def pass_rows(state: DecodeState, geo: Geometry, pc: PolestarConfig, block: int,
 
 
 def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
-               windowed: bool, draws: tuple[C.KMeansDraws, C.KMeansDraws], unroll: int | bool = 1) -> StartOut:
+               windowed: bool, draws: tuple[KMeansDraws, KMeansDraws], unroll: int | bool = 1) -> StartOut:
     """The block-start forward: full sequence (``windowed=False``) or the window only (``windowed=True``,
     keys outside the window stay as cached)."""
     pre = pc.prefix_rows(block)
     b, length = state.x.shape
     rows = pass_rows(state, geo, pc, block, windowed)
     fam = family_of(cfg)
-    q_rope, k_rope = M.Rope.at(rows.q_pos, cfg), M.Rope.at(state.pos, cfg)
+    q_rope, k_rope = Rope.at(rows.q_pos, cfg), Rope.at(state.pos, cfg)
 
     def layer(carry, xs: StartLayerIn):
         h, _ = carry
         hs = rows_at(h, rows.store_rows)  # [b, R, D]
-        cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: C.cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
-                                                                      pc.kmeans_iters))(
+        cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
+                                                                    pc.kmeans_iters))(
             hs[:, :pre], geo.pre_len, hs[:, pre:], geo.suf_len, xs.draws_pre, xs.draws_suf)
         write = None
         if windowed:
@@ -91,9 +91,9 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
                                   scatter_kv_rows(xs.v_cache, v, rows.write_idx, rows.write_valid, backend=pc.kernels))
         out = fam.layer(xs.lp, h, cfg, q_rope, k_rope, state.key_valid, write=write, return_probs=True)
         p_blk = lax.dynamic_slice_in_dim(out.probs, rows.block_offset, block, axis=2)  # kept from the last layer
-        s = Dr.proxy_attention(xs.lp, cl.centroids, out.keys.k, cfg, state.key_valid, pc.proxy_score)
-        stored, scale = OF.encode(hs, pc)
-        return (out.h, p_blk), (out.keys.k, out.keys.v, OF.to_host(stored, pc), OF.to_host(scale, pc), cl, s)
+        s = proxy_attention(xs.lp, cl.centroids, out.keys.k, cfg, state.key_valid, pc.proxy_score)
+        stored, scale = offload.encode(hs, pc)
+        return (out.h, p_blk), (out.keys.k, out.keys.v, offload.to_host(stored, pc), offload.to_host(scale, pc), cl, s)
 
     k0, v0 = (state.k_cache, state.v_cache) if windowed else (None, None)
     p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)

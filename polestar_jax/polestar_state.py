@@ -14,7 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from polestar_jax import offload as OF
+from polestar_jax.offload import store_dtype
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.state import LAYER_BATCH, DecodeState, axes
 
@@ -75,7 +75,7 @@ def init_polestar_state(cfg: ModelConfig, pc: PolestarConfig, b: int, length: in
     r = pc.window_rows(block)
     zi = lambda *s: jnp.zeros(s, jnp.int32)
     return PolestarState(
-        hs=jnp.zeros((n, b, r, d), OF.store_dtype(pc, dtype)), hs_scale=jnp.zeros((n, b, r), jnp.float32),
+        hs=jnp.zeros((n, b, r, d), store_dtype(pc, dtype)), hs_scale=jnp.zeros((n, b, r), jnp.float32),
         labels=jnp.full((n, b, r), -1, jnp.int32),
         centroids=jnp.zeros((n, b, k, d), dtype), counts=jnp.zeros((n, b, k), jnp.float32),
         n_clusters=zi(n, b), s_prev=jnp.zeros((n, b, proxy_heads(cfg, pc), k, length), jnp.float32),

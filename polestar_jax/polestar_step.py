@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax import commit as R
-from polestar_jax import compaction as CP
-from polestar_jax import drift as Dr
-from polestar_jax import model as M
-from polestar_jax import offload as OF
+from polestar_jax.commit import rank_desc
+from polestar_jax.compaction import by_width, chosen_width, compact, complement_widths, spread_rows, take_rows, widths
 from polestar_jax.config import ModelConfig, PolestarConfig
+from polestar_jax.drift import proxy_inputs
 from polestar_jax.family import Family, family_of
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
+from polestar_jax.model import Keys, Rope, slice_write
+from polestar_jax.offload import fetch_rows, write_rows
 from polestar_jax.polestar_state import Geometry, rows_at
 from polestar_jax.state import DecodeState
 
@@ -61,7 +61,7 @@ def top_clusters(scores: jax.Array, n_valid: jax.Array, m) -> jax.Array:
     k = scores.shape[-1]
     valid = jnp.arange(k)[None, :] < n_valid[:, None]
     sc = jnp.where(valid, round_scores(scores), -jnp.inf)
-    rank = R.rank_desc(sc)
+    rank = rank_desc(sc)
     return valid & (rank < jnp.minimum(m, n_valid)[:, None])
 
 
@@ -93,9 +93,9 @@ class StepCtx(NamedTuple):
     block: int
     geo: Geometry
     key_valid: jax.Array  # [b, L]
-    k_rope: M.Rope  # all L keys
+    k_rope: Rope  # all L keys
     blk_pos: jax.Array  # [b, B] RoPE positions of the block rows
-    blk_rope: M.Rope  # their tables
+    blk_rope: Rope  # their tables
     ref_idx: jax.Array  # [b, R] cache positions of the window rows
     ref_qpos: jax.Array  # [b, R] their RoPE positions
     cluster_rows: jax.Array  # [b] rows that refresh in this step
@@ -154,7 +154,7 @@ class LayerStats(NamedTuple):
 
 
 def _write_block(ctx: StepCtx, xs: LayerIn):
-    return M.slice_write((xs.k_cache, xs.v_cache), ctx.geo.cs)
+    return slice_write((xs.k_cache, xs.v_cache), ctx.geo.cs)
 
 
 def plain_layer(ctx: StepCtx, carry: Carry, xs: LayerIn) -> tuple[Carry, tuple]:
@@ -191,17 +191,17 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
         def run():
             if w == 0:
                 return xs.store, jnp.zeros_like(carry.pk_h), jnp.zeros_like(carry.pk_valid)
-            idx, val = CP.compact(carry.pk_valid, w)
+            idx, val = compact(carry.pk_valid, w)
             ones = jnp.ones_like(val)
             # the w rows move whole (padding rows too: they are distinct real rows), and stage 2 reuses them
-            got = OF.fetch_rows(xs.store[0], xs.store[1], idx, ones, pc, dt)
-            new_store = OF.write_rows(xs.store[0], xs.store[1], idx, CP.take_rows(patch, idx) & val,
-                                      CP.take_rows(carry.pk_h, idx), pc)
-            return new_store, CP.spread_rows(got, idx, ones, r_rows), CP.spread_rows(ones, idx, ones, r_rows)
+            got = fetch_rows(xs.store[0], xs.store[1], idx, ones, pc, dt)
+            new_store = write_rows(xs.store[0], xs.store[1], idx, take_rows(patch, idx) & val,
+                                   take_rows(carry.pk_h, idx), pc)
+            return new_store, spread_rows(got, idx, ones, r_rows), spread_rows(ones, idx, ones, r_rows)
         return run
 
     n_pk = jnp.sum(carry.pk_valid, axis=1)
-    store, got, have = CP.by_width(n_pk, ctx.widths, stage)
+    store, got, have = by_width(n_pk, ctx.widths, stage)
     # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
     old = jnp.where(patch[..., None], got, jnp.zeros((), dt))
     cent = centroid_shift(xs.centroids, xs.labels, xs.counts, patch, old, carry.pk_h, backend=pc.kernels)
@@ -211,7 +211,7 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
     wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
     kk = scatter_kv_rows(kk, k[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
     vv = scatter_kv_rows(vv, v[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
-    return Packet(store, got, have, cent, kk, vv, CP.chosen_width(n_pk, ctx.widths))
+    return Packet(store, got, have, cent, kk, vv, chosen_width(n_pk, ctx.widths))
 
 
 class Selection(NamedTuple):
@@ -225,7 +225,7 @@ class Selection(NamedTuple):
 def select_clusters(ctx: StepCtx, xs: LayerIn, pk: Packet) -> Selection:
     """The cluster drift of the (shifted) centroids against the updated cache, and the top clusters."""
     kdim = ctx.pc.n_clusters
-    qc, kc = Dr.proxy_inputs(xs.lp, pk.centroids, pk.k, ctx.cfg, ctx.pc.proxy_score)
+    qc, kc = proxy_inputs(xs.lp, pk.centroids, pk.k, ctx.cfg, ctx.pc.proxy_score)
     score, s = kl_drift(qc, kc, ctx.key_valid, xs.s_prev, mode="cluster", backend=ctx.pc.kernels)
     score = jnp.where(jnp.arange(kdim)[None] < xs.n_clusters[:, None], score, -jnp.inf)
     m = jnp.where(xs.index == ctx.cfg.n_layers - 1, ctx.pc.top_k_last, ctx.pc.top_k)
@@ -246,35 +246,35 @@ def fetch_selected(ctx: StepCtx, carry: Carry, xs: LayerIn, pk: Packet, sel: Sel
         def run():
             if w == 0:
                 return jnp.zeros_like(carry.pk_h)
-            idx, val = CP.compact(need, w)
-            rows = OF.fetch_rows(xs.store[0], xs.store[1], idx, val, ctx.pc, dt)
-            return CP.spread_rows(rows, idx, val, ctx.rows)
+            idx, val = compact(need, w)
+            rows = fetch_rows(xs.store[0], xs.store[1], idx, val, ctx.pc, dt)
+            return spread_rows(rows, idx, val, ctx.rows)
         return run
 
-    n_need, ws2 = jnp.sum(need, axis=1), CP.complement_widths(ctx.widths, ctx.rows)
-    fetched = CP.by_width(n_need, ws2, stage)
+    n_need, ws2 = jnp.sum(need, axis=1), complement_widths(ctx.widths, ctx.rows)
+    fetched = by_width(n_need, ws2, stage)
     inputs = jnp.where(carry.pk_valid[..., None], carry.pk_h,
                        jnp.where(pk.have[..., None], pk.got, fetched))
-    return inputs, CP.chosen_width(n_need, ws2)
+    return inputs, chosen_width(n_need, ws2)
 
 
-def refresh_rows(ctx: StepCtx, xs: LayerIn, h_blk, inputs, sel_rows, keys: M.Keys):
+def refresh_rows(ctx: StepCtx, xs: LayerIn, h_blk, inputs, sel_rows, keys: Keys):
     """Stage 3: the rest of the layer for the block rows and the selected rows (compacted). Returns the
     block rows' output [b, B, D], the selected rows' output spread to [b, R, D], the block queries."""
 
     def stage(w):
         def run():
-            idx, val = CP.compact(sel_rows, w)
-            rows = jnp.concatenate([h_blk, CP.take_rows(inputs, idx)], axis=1)
-            q_rope = M.Rope.at(jnp.concatenate([ctx.blk_pos, CP.take_rows(ctx.ref_qpos, idx)], axis=1), ctx.cfg)
+            idx, val = compact(sel_rows, w)
+            rows = jnp.concatenate([h_blk, take_rows(inputs, idx)], axis=1)
+            q_rope = Rope.at(jnp.concatenate([ctx.blk_pos, take_rows(ctx.ref_qpos, idx)], axis=1), ctx.cfg)
             out = ctx.fam.layer(xs.lp, rows, ctx.cfg, q_rope, ctx.k_rope, ctx.key_valid, keys=keys)
-            return out.h[:, :ctx.block], CP.spread_rows(out.h[:, ctx.block:], idx, val, ctx.rows), \
+            return out.h[:, :ctx.block], spread_rows(out.h[:, ctx.block:], idx, val, ctx.rows), \
                 out.q_rot[:, :, :ctx.block]
         return run
 
     # (no width-0 branch here: a layer that selects nothing in the whole batch is rare, and each branch of
     # this stage compiles the whole attention + MLP)
-    return CP.by_width(jnp.sum(sel_rows, axis=1), ctx.widths[1:], stage)
+    return by_width(jnp.sum(sel_rows, axis=1), ctx.widths[1:], stage)
 
 
 def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> tuple[Carry, tuple]:
@@ -283,7 +283,7 @@ def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> tuple[Carry, t
     sel = select_clusters(ctx, xs, pk)
     s_prev = jnp.where(ctx.cluster_rows[:, None, None, None], sel.s_new, xs.s_prev)
     inputs, n_fetch = fetch_selected(ctx, carry, xs, pk, sel, dt)
-    keys = M.Keys(pk.k, pk.v, ctx.k_rope.rotate(pk.k))  # (rotated once, outside the stage branches)
+    keys = Keys(pk.k, pk.v, ctx.k_rope.rotate(pk.k))  # (rotated once, outside the stage branches)
     out_blk, pk_out, q_blk = refresh_rows(ctx, xs, carry.h_blk, inputs, sel.rows, keys)
     stats = LayerStats(sel.scores, sel.chosen, sel.own & ctx.cluster_rows[:, None],
                        jnp.sum(sel.rows, axis=1).astype(jnp.int32), pk.n_read, n_fetch)
@@ -294,9 +294,10 @@ def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> tuple[Carry, t
 def step_ctx(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
              cluster_rows: jax.Array) -> StepCtx:
     blk_pos = rows_at(state.pos, geo.cs + jnp.arange(block))
-    return StepCtx(cfg, family_of(cfg), pc, block, geo, state.key_valid, M.Rope.at(state.pos, cfg), blk_pos, M.Rope.at(blk_pos, cfg),
+    return StepCtx(cfg, family_of(cfg), pc, block, geo, state.key_valid, Rope.at(state.pos, cfg), blk_pos,
+                   Rope.at(blk_pos, cfg),
                    jnp.broadcast_to(geo.ref_pos, geo.ref_valid.shape).astype(jnp.int32),
-                   rows_at(state.pos, geo.ref_pos), cluster_rows, CP.widths(pc, pc.window_rows(block)))
+                   rows_at(state.pos, geo.ref_pos), cluster_rows, widths(pc, pc.window_rows(block)))
 
 
 def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,

@@ -21,7 +21,7 @@ import safetensors.numpy
 
 from polestar_jax.errors import CheckpointError
 
-__all__ = ["LazyTensors", "read_safetensors", "write_safetensors"]
+__all__ = ["LazyTensors", "read_safetensors", "write_safetensors", "library_errors"]
 
 # A part of the library's message -> ours; {0} is the library's detail (after its last "header: ").
 _MESSAGES = (("too small", "not a safetensors file (need at least 8 bytes for the header length)"),
@@ -50,8 +50,9 @@ def _size_mismatch(path: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _errors(path: str, writing: bool = False):
-    """The library's errors about ``path`` as one-line :class:`CheckpointError` messages."""
+def library_errors(path: str, writing: bool = False):
+    """A context in which the library's errors about ``path`` become one-line :class:`CheckpointError` messages
+    (also used by :mod:`polestar_jax.checkpoint` for its own reads of shards)."""
     try:
         yield
     except (safetensors.SafetensorError, OSError) + ((TypeError,) if writing else ()) as e:
@@ -72,7 +73,7 @@ class LazyTensors(Mapping[str, np.ndarray]):
         self.files = dict(files)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        with _errors(self.files[name]), safetensors.safe_open(self.files[name], framework="numpy") as f:
+        with library_errors(self.files[name]), safetensors.safe_open(self.files[name], framework="numpy") as f:
             return f.get_tensor(name)
 
     def __contains__(self, name: object) -> bool:  # (Mapping's default would read the tensor)
@@ -90,7 +91,7 @@ def read_safetensors(path: str | os.PathLike) -> LazyTensors:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"safetensors file not found: {path}")
-    with _errors(path), safetensors.safe_open(path, framework="numpy") as f:
+    with library_errors(path), safetensors.safe_open(path, framework="numpy") as f:
         return LazyTensors(dict.fromkeys(f.keys(), path))
 
 
@@ -100,7 +101,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any],
     leaves a half-written ``path``); ``metadata`` maps str -> str."""
     path, arrays = os.fspath(path), {n: np.asarray(np.asarray(v), order="C") for n, v in tensors.items()}
     try:
-        with _errors(path, writing=True):  # (dense C order: the library writes the raw buffer)
+        with library_errors(path, writing=True):  # (dense C order: the library writes the raw buffer)
             safetensors.numpy.save_file(arrays, path + ".tmp", metadata=dict(metadata) if metadata else None)
             os.replace(path + ".tmp", path)
     finally:

@@ -7,6 +7,16 @@ proxy attention additionally over heads on ``model``). A dimension that the axis
 replicated instead, so any mesh works for any model (at some cost). XLA's SPMD partitioner inserts the
 collectives; the decode code itself is unchanged.
 
+Attention heads are never cut (GQA-aware, given the model config): the query side (``wq``, Dream's ``bq``,
+``wo``'s input features) is split over ``model`` only when the axis divides the query heads, the key/value
+side (``wk``, ``wv``, Dream's ``bk``, ``bv``) and the K/V cache only when it divides the KV heads; otherwise
+that side is replicated. With both split, device ``j`` holds query heads ``j*H/M ..`` and exactly the KV
+heads they read (KV head ``i // G`` serves query head ``i``), so attention needs no collective. With fewer
+KV heads than devices (or a count the axis does not divide: Dream-7B's 4 KV heads on ``model=8``) every
+device keeps all KV heads -- the K/V projections are ``KV/H`` of the query projection's size and the cache
+is per sequence ``2 N KV hd L`` values -- rather than sharing heads between devices by KV group, which a
+one-dimensional ``model`` axis cannot express without cutting heads.
+
 Multi-process (several hosts, or several processes on one host): :func:`join_runtime` joins JAX's own
 multi-controller runtime (``jax.distributed.initialize``) before anything touches a device; a mesh then
 spans every process's devices, each process holds only its shards (parameters are built shard by shard
@@ -20,7 +30,7 @@ import os
 import socket
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -37,7 +47,12 @@ _PARAM_SPECS = {
     "wo": (None, "model", None),
     "w_gate": (None, None, "model"), "w_up": (None, None, "model"),
     "w_down": (None, "model", None),
+    "bq": (None, "model"), "bk": (None, "model"), "bv": (None, "model"),  # Dream's q/k/v biases
 }
+#: Parameters whose ``model``-split dimension is a stack of attention heads, and the config field that
+#: counts them: they split over ``model`` only in whole heads (see the module docstring).
+_HEAD_SPLIT = {"wq": "n_heads", "bq": "n_heads", "wo": "n_heads",
+               "wk": "n_kv_heads", "wv": "n_kv_heads", "bk": "n_kv_heads", "bv": "n_kv_heads"}
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -75,12 +90,19 @@ def _fit(shape: tuple[int, ...], axes: tuple, mesh: Mesh) -> P:
     return P(*out)
 
 
-def param_shardings(params: Any, mesh: Mesh) -> Any:
-    """NamedShardings for the parameter pytree of :mod:`polestar_jax.model`."""
+def param_shardings(params: Any, mesh: Mesh, cfg: Any = None) -> Any:
+    """NamedShardings for the parameter pytree of a model family (:mod:`polestar_jax.model`; Dream adds
+    ``blocks/bq``, ``bk``, ``bv``). With ``cfg`` (its :class:`~polestar_jax.config.ModelConfig`) the attention
+    projections split in whole query / KV heads or not at all (module docstring); without it every
+    dimension is split by its size alone, which can cut a head."""
+    m = mesh.shape.get("model", 1)
 
     def spec(path, leaf):
         name = str(getattr(path[-1], "key", path[-1]))
-        return NamedSharding(mesh, _fit(leaf.shape, _PARAM_SPECS.get(name, ()), mesh))
+        axes = _PARAM_SPECS.get(name, ())
+        if cfg is not None and name in _HEAD_SPLIT and getattr(cfg, _HEAD_SPLIT[name]) % m:
+            axes = tuple(None if a == "model" else a for a in axes)
+        return NamedSharding(mesh, _fit(leaf.shape, axes, mesh))
 
     return jax.tree_util.tree_map_with_path(spec, params)
 
@@ -180,6 +202,100 @@ def _why_not_joined(address: str, process_id: Optional[int], num_processes: Opti
             f"({who}); start all {num_processes or ''} processes with the same coordinator and process count")
 
 
+class _JoinSettings(NamedTuple):
+    """What :func:`join_runtime` joins: the coordinator ``HOST:PORT``, the process count and this process's id
+    (None where JAX is to detect it), and the name of the cluster environment JAX detected when nothing was
+    configured (None otherwise)."""
+
+    coordinator: Optional[str]
+    num_processes: Optional[int]
+    process_id: Optional[int]
+    cluster: Optional[str] = None
+
+
+def _join_settings(coordinator: Optional[str], num_processes: Optional[int],
+                   process_id: Optional[int]) -> Optional[_JoinSettings]:
+    """The join the arguments describe, else ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` /
+    ``JAX_PROCESS_ID``, else a cluster of more than one process that JAX detects; None when there is nothing
+    to join (nothing set and no such cluster, or a single process). Raises :class:`PolestarError` for
+    invalid or incomplete settings (a detected cluster may fill in what is missing)."""
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    if coordinator is None and num_processes is None and process_id is None:
+        cluster = _detected_cluster()
+        return None if cluster is None else _JoinSettings(None, None, None, cluster)
+    if num_processes is not None and num_processes < 1:
+        raise PolestarError(f"the number of processes must be >= 1, got {num_processes}")
+    if num_processes == 1 and process_id in (None, 0):
+        return None  # one process: nothing to join
+    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+        raise PolestarError(f"process id {process_id} is not in [0, {num_processes})")
+    if None in (coordinator, num_processes, process_id) and _detected_cluster() is None:
+        missing = [flag for flag, v in (("--coordinator / JAX_COORDINATOR_ADDRESS", coordinator),
+                                        ("--num-processes / JAX_NUM_PROCESSES", num_processes),
+                                        ("--process-id / JAX_PROCESS_ID", process_id)) if v is None]
+        raise PolestarError(f"a multi-process run needs {' and '.join(missing)} (no cluster to detect them from)")
+    if coordinator is not None:
+        _split_address(coordinator)
+    return _JoinSettings(coordinator, num_processes, process_id)
+
+
+def _check_devices_unused() -> None:
+    """Raises :class:`PolestarError` when JAX has already set up its backends in this process (a runtime
+    can only be joined before anything uses a device)."""
+    try:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    except Exception:  # noqa: BLE001 - another JAX layout: let jax.distributed.initialize decide
+        started = False
+    if started:
+        raise PolestarError("cannot join a multi-process runtime: JAX already uses its devices in this process "
+                            "(join first: polestar_jax.sharding.join_runtime() before any jax computation)")
+
+
+def _join_timeout(timeout: Optional[float]) -> float:
+    """``timeout``, else ``$POLESTAR_JAX_JOIN_TIMEOUT``, else :data:`JOIN_TIMEOUT_S` (seconds, > 0)."""
+    if timeout is None:
+        env = os.environ.get("POLESTAR_JAX_JOIN_TIMEOUT")
+        try:
+            timeout = float(env) if env else JOIN_TIMEOUT_S
+        except ValueError:
+            raise PolestarError(f"POLESTAR_JAX_JOIN_TIMEOUT={env!r} is not a number of seconds") from None
+    if not timeout > 0:
+        raise PolestarError(f"the join timeout must be > 0 s, got {timeout}")
+    return float(timeout)
+
+
+def _initialize(settings: _JoinSettings, timeout: float) -> None:
+    """``jax.distributed.initialize`` under a watchdog: when the coordinator and every process have not
+    met within ``timeout`` s, the process writes one ``error: ...`` line to stderr and ends with status 2
+    (JAX's own, later timeout aborts with a stack trace). JAX's errors become :class:`PolestarError`."""
+    coordinator, num_processes, process_id, cluster = settings
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(timeout):
+            msg = _why_not_joined(coordinator or "", process_id, num_processes, timeout)
+            try:
+                sys.stdout.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            os.write(2, f"error: {msg}\n".encode())
+            os._exit(2)
+
+    threading.Thread(target=watchdog, name="polestar-join-watchdog", daemon=True).start()
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   initialization_timeout=int(timeout) + 60)
+    except (RuntimeError, ValueError, TypeError) as e:
+        detail = " ".join(str(e).split())[:300]
+        raise PolestarError(f"cannot join the multi-process runtime ({cluster or coordinator}): {detail}") from None
+    finally:
+        done.set()
+
+
 def join_runtime(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
                  process_id: Optional[int] = None, timeout: Optional[float] = None) -> bool:
     """Joins JAX's multi-process runtime (``jax.distributed.initialize``); call it before anything uses a
@@ -199,70 +315,14 @@ def join_runtime(coordinator: Optional[str] = None, num_processes: Optional[int]
     """
     if _joined():
         return True
-    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
-    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
-    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
-    cluster = None
-    if coordinator is None and num_processes is None and process_id is None:
-        cluster = _detected_cluster()
-        if cluster is None:
-            return False
-    else:
-        if num_processes is not None and num_processes < 1:
-            raise PolestarError(f"the number of processes must be >= 1, got {num_processes}")
-        if num_processes == 1 and process_id in (None, 0):
-            return False  # one process: nothing to join
-        if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
-            raise PolestarError(f"process id {process_id} is not in [0, {num_processes})")
-        if None in (coordinator, num_processes, process_id) and _detected_cluster() is None:
-            missing = [flag for flag, v in (("--coordinator / JAX_COORDINATOR_ADDRESS", coordinator),
-                                            ("--num-processes / JAX_NUM_PROCESSES", num_processes),
-                                            ("--process-id / JAX_PROCESS_ID", process_id)) if v is None]
-            raise PolestarError(f"a multi-process run needs {' and '.join(missing)} (no cluster to detect "
-                                "them from)")
-        if coordinator is not None:
-            _split_address(coordinator)
-    try:
-        from jax._src import xla_bridge
-
-        started = xla_bridge.backends_are_initialized()
-    except Exception:  # noqa: BLE001
-        started = False
-    if started:
-        raise PolestarError("cannot join a multi-process runtime: JAX already uses its devices in this process "
-                            "(join first: polestar_jax.sharding.join_runtime() before any jax computation)")
+    settings = _join_settings(coordinator, num_processes, process_id)
+    if settings is None:
+        return False
+    _check_devices_unused()
+    seconds = _join_timeout(timeout)
     if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") in (None, "", "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # (a user's "mpi" is kept)
-    if timeout is None:
-        env = os.environ.get("POLESTAR_JAX_JOIN_TIMEOUT")
-        try:
-            timeout = float(env) if env else JOIN_TIMEOUT_S
-        except ValueError:
-            raise PolestarError(f"POLESTAR_JAX_JOIN_TIMEOUT={env!r} is not a number of seconds") from None
-    if not timeout > 0:
-        raise PolestarError(f"the join timeout must be > 0 s, got {timeout}")
-
-    done = threading.Event()
-
-    def watchdog():  # JAX's own timeout aborts the process with a stack trace; this one ends it first
-        if not done.wait(timeout):
-            msg = _why_not_joined(coordinator or "", process_id, num_processes, timeout)
-            try:
-                sys.stdout.flush()
-            except Exception:  # noqa: BLE001
-                pass
-            os.write(2, f"error: {msg}\n".encode())
-            os._exit(2)
-
-    threading.Thread(target=watchdog, name="polestar-join-watchdog", daemon=True).start()
-    try:
-        jax.distributed.initialize(coordinator, num_processes, process_id,
-                                   initialization_timeout=int(timeout) + 60)
-    except (RuntimeError, ValueError, TypeError) as e:
-        detail = " ".join(str(e).split())[:300]
-        raise PolestarError(f"cannot join the multi-process runtime ({cluster or coordinator}): {detail}") from None
-    finally:
-        done.set()
+    _initialize(settings, seconds)
     return True
 
 

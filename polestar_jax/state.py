@@ -12,7 +12,8 @@ knows where a field's batch axis is.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+import functools
+from typing import Any, NamedTuple, Optional, Sequence
 
 import flax.struct
 import jax
@@ -135,6 +136,68 @@ def padded_length(lengths: Sequence[int], multiple: int) -> int:
     return -(-longest // multiple) * multiple
 
 
+class PromptFields(NamedTuple):
+    """The prompt-dependent fields of a state, as host arrays (everything else starts as zeros)."""
+
+    x: np.ndarray  # [b, L] int32
+    pos: np.ndarray  # [b, L] int32
+    key_valid: np.ndarray  # [b, L] bool
+    rng: np.ndarray  # [b, 2] uint32
+
+
+class StateLayout(NamedTuple):
+    """What besides the prompts fixes a state's fields and shapes (hashable: one compiled builder each)."""
+
+    model: ModelConfig
+    num_blocks: int
+    cache: bool  # K/V cache fields
+    dtype: Any  # model dtype (numpy dtype)
+    block_length: int = 0
+    polestar: Optional[Any] = None  # a PolestarConfig: Polestar's state too
+
+
+def prompt_fields(prompts: Sequence[Sequence[int]], cfg: ModelConfig, gen_length: int, prompt_slot: int,
+                  seeds: Sequence) -> PromptFields:
+    """Prompts left-padded into ``prompt_slot`` slots with ``gen_length`` masks after, their RoPE positions,
+    key validity and per-row keys (``seeds``: per row key data [2] (:func:`row_key_data`) or an int seed
+    (``jax.random.PRNGKey(seed)``)), in numpy."""
+    b = len(prompts)
+    length = prompt_slot + gen_length
+    x = np.full((b, length), cfg.mask_token_id, np.int32)
+    pad = np.zeros((b,), np.int32)
+    for r, p in enumerate(prompts):
+        pad[r] = prompt_slot - len(p)
+        x[r, : pad[r]] = cfg.pad_token_id
+        x[r, pad[r]: prompt_slot] = np.asarray(p, np.int32)
+    idx = np.arange(length, dtype=np.int32)[None, :]
+    rng = np.stack([np.asarray(s, np.uint32) if np.ndim(s) else seed_key_data(s) for s in seeds])
+    return PromptFields(x, idx - pad[:, None], idx >= pad[:, None], rng)
+
+
+def build_state(fields: PromptFields, layout: StateLayout) -> DecodeState:
+    """The initial state of ``layout`` around ``fields`` (traceable: a jitted builder places every field
+    on its shards directly)."""
+    b, length = fields.x.shape
+    k_cache = v_cache = None
+    if layout.cache:
+        from polestar_jax.family import family_of
+
+        shape = family_of(layout.model).cache_shape(layout.model, b, length)
+        k_cache = jnp.zeros(shape, layout.dtype)
+        v_cache = jnp.zeros(shape, layout.dtype)
+    state = DecodeState(
+        x=jnp.asarray(fields.x), commit_step=jnp.full((b, length), -1, jnp.int32), nfe=jnp.zeros((b,), jnp.int32),
+        pos=jnp.asarray(fields.pos), key_valid=jnp.asarray(fields.key_valid), rng=jnp.asarray(fields.rng),
+        block_nfe=jnp.zeros((b, layout.num_blocks), jnp.int32), k_cache=k_cache, v_cache=v_cache,
+    )
+    if layout.polestar is not None:
+        from polestar_jax.polestar_state import init_polestar_state
+
+        state = state.replace(polestar=init_polestar_state(layout.model, layout.polestar, b, length,
+                                                           layout.block_length, layout.num_blocks, layout.dtype))
+    return state
+
+
 def init_state(
     prompts: Sequence[Sequence[int]],
     cfg: ModelConfig,
@@ -147,31 +210,28 @@ def init_state(
 ) -> DecodeState:
     """The common part of the state: prompts left-padded into ``prompt_slot`` slots, ``gen_length`` masks
     after, and (``cache``) an empty K/V cache. Use :func:`init_decode_state` for a whole decoder state."""
-    b = len(prompts)
-    length = prompt_slot + gen_length
-    x = np.full((b, length), cfg.mask_token_id, np.int32)
-    pad = np.zeros((b,), np.int32)
-    for r, p in enumerate(prompts):
-        pad[r] = prompt_slot - len(p)
-        x[r, : pad[r]] = cfg.pad_token_id
-        x[r, pad[r]: prompt_slot] = np.asarray(p, np.int32)
-    idx = np.arange(length, dtype=np.int32)[None, :]
-    pos = idx - pad[:, None]
-    key_valid = idx >= pad[:, None]
-    rng = np.stack([np.asarray(s, np.uint32) if np.ndim(s) else seed_key_data(s) for s in seeds])
-    k_cache = v_cache = None
-    if cache:
-        from polestar_jax.family import family_of
+    return build_state(prompt_fields(prompts, cfg, gen_length, prompt_slot, seeds),
+                       StateLayout(cfg, num_blocks, cache, np.dtype(dtype)))
 
-        shape = family_of(cfg).cache_shape(cfg, b, length)
-        k_cache = jnp.zeros(shape, dtype)
-        v_cache = jnp.zeros(shape, dtype)
-    return DecodeState(
-        x=jnp.asarray(x), commit_step=jnp.full((b, length), -1, jnp.int32), nfe=jnp.zeros((b,), jnp.int32),
-        pos=jnp.asarray(pos), key_valid=jnp.asarray(key_valid), rng=jnp.asarray(rng),
-        block_nfe=jnp.zeros((b, num_blocks), jnp.int32),
-        k_cache=k_cache, v_cache=v_cache,
-    )
+
+_SHARDED_BUILDERS: dict = {}
+
+
+def build_sharded(fields: PromptFields, layout: StateLayout, mesh) -> DecodeState:
+    """:func:`build_state` as one compiled program whose outputs carry their mesh shardings
+    (:func:`polestar_jax.sharding.state_shardings`): every device creates only its own shards, so a large
+    K/V cache or Polestar store never exists whole on one device. The small prompt fields are placed on
+    their shards first (:func:`polestar_jax.sharding.shard`, multi-process safe). One executable per
+    (layout, mesh, shapes)."""
+    from polestar_jax.sharding import shard, state_shardings
+
+    key = (layout, mesh, fields.x.shape)
+    if key not in _SHARDED_BUILDERS:
+        out = state_shardings(jax.eval_shape(functools.partial(build_state, layout=layout), fields), mesh)
+        _SHARDED_BUILDERS[key] = (jax.jit(build_state, static_argnums=1, out_shardings=out),
+                                  PromptFields(out.x, out.pos, out.key_valid, out.rng))
+    fn, field_shardings = _SHARDED_BUILDERS[key]
+    return fn(shard(fields, field_shardings), layout)
 
 
 def init_decode_state(
@@ -183,38 +243,30 @@ def init_decode_state(
     rows: Optional[Sequence[int]] = None,
     dtype=jnp.float32,
     abstract: bool = False,
-    place: Optional[Callable[[DecodeState], DecodeState]] = None,
+    mesh=None,
 ) -> DecodeState:
     """The whole decode state of ``dcfg``'s decoder for ``prompts``: the common part, the decoder's own
     state (Polestar's clusters, store and drift state), and the Polestar store placed where
     ``PolestarConfig.offload_hidden`` says (host memory). ``abstract=True`` returns ``jax.ShapeDtypeStruct``
-    leaves only (memory planning, ahead-of-time compiles); ``place`` (e.g. sharding over a mesh) runs
-    before the store placement. The engine, the memory planner and every bench build states here."""
+    leaves only (memory planning, ahead-of-time compiles). ``mesh`` (a ``jax.sharding.Mesh``): the state is
+    built already sharded over it (:func:`build_sharded`). The engine, the memory planner and every bench
+    build states here."""
     rows = list(range(len(prompts))) if rows is None else list(rows)
-    seeds = [row_key_data(seed, r) for r in rows]
-
-    def build() -> DecodeState:
-        s = init_state(prompts, mcfg, dcfg.gen_length, prompt_slot, dcfg.num_blocks, seeds,
-                       cache=dcfg.cache != "none", dtype=dtype)
-        if dcfg.decoder == "polestar":
-            from polestar_jax.polestar_state import init_polestar_state
-
-            s = s.replace(polestar=init_polestar_state(mcfg, dcfg.polestar, len(prompts), s.x.shape[1],
-                                                       dcfg.block_length, dcfg.num_blocks, dtype))
-        return s
-
+    fields = prompt_fields(prompts, mcfg, dcfg.gen_length, prompt_slot, [row_key_data(seed, r) for r in rows])
+    polestar = dcfg.decoder == "polestar"
+    layout = StateLayout(mcfg, dcfg.num_blocks, dcfg.cache != "none", np.dtype(dtype), dcfg.block_length,
+                         dcfg.polestar if polestar else None)
+    offload = polestar and dcfg.polestar.offload_hidden != "none"
     if abstract:
-        state = jax.eval_shape(build)
-        if dcfg.decoder == "polestar" and dcfg.polestar.offload_hidden != "none":
+        state = jax.eval_shape(functools.partial(build_state, layout=layout), fields)
+        if offload:
             from polestar_jax.offload import abstract_store
 
             state = state.replace(polestar=state.polestar.replace(
                 **dict(zip(("hs", "hs_scale"), abstract_store(state.polestar.hs, state.polestar.hs_scale)))))
         return state
-    state = build()
-    if place is not None:
-        state = place(state)
-    if state.polestar is not None and dcfg.polestar.offload_hidden != "none":
+    state = build_state(fields, layout) if mesh is None else build_sharded(fields, layout, mesh)
+    if offload:
         from polestar_jax.offload import place_store
 
         hs, hs_scale = place_store(state.polestar.hs, state.polestar.hs_scale, dcfg.polestar)

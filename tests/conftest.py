@@ -96,3 +96,15 @@ def subprocess_env() -> dict:
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
+
+
+@pytest.fixture
+def offline_session_cache(monkeypatch):
+    """For tests of load() and the CLIs, which turn on the persistent cache: this session's (never the
+    user's), and no hub look-ups."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)  # enable_compile_cache sets 0.5

@@ -17,8 +17,11 @@ from bench import tasks as T
 # One job shared by the smoke run and the batching test (same items, slot and batch 7: the batch-7
 # executables compiled by the smoke run serve the batching test too)
 SMOKE_TASKS, SMOKE_N, SMOKE_BATCH = ("copy", "sort", "add"), 3, 7
-SMOKE_DECODERS = ("llada", "fastdllm-dual", "fastdllm-dual-checked", "polestar-refresh-only", "polestar-commit-only",
-                  "polestar")
+# Each kind of row once: the baseline, Fast-dLLM's reference and checked loops (compared), one Polestar
+# ablation (commit-only: refresh off), Polestar, and the sweep rows. The run is compile-bound (one executable
+# per decoder); the other ablation (refresh-only, the costliest compile) is checked as a configuration in
+# test_decoders_sweep_names_and_configs.
+SMOKE_DECODERS = ("llada", "fastdllm-dual", "fastdllm-dual-checked", "polestar-commit-only", "polestar")
 # 0.8 and 0.95 share the unsuffixed rows' executables (the threshold is a run-time knob); 0.7 would compile
 # Polestar again (its early threshold changes), so its naming and config are checked without decoding
 SMOKE_SWEEP = (0.8, 0.9, 0.95)
@@ -71,12 +74,11 @@ def test_bench_run_smoke(tmp_path, capsys):
     assert gen // block <= pol["nfe"] <= gen + gen // block
     assert 0.0 <= pol["refresh_rate"] <= 1.0 and "early_commits" in pol
     assert pol["forwards_refresh"] == pol["refresh_steps"] > 0 and 0 < pol["refresh_rows_computed"] <= 3 * block
-    # the ablations: commit-only never refreshes (nor pre-commits suffix rows); refresh-only never commits early
+    # the ablation: commit-only never refreshes (nor pre-commits suffix rows)
     for t in tasks:
-        co, ro = by[("polestar-commit-only", t)], by[("polestar-refresh-only", t)]
+        co = by[("polestar-commit-only", t)]
         assert co["refresh_steps"] == 0 and co["forwards_refresh"] == 0 and co["refresh_rate"] == 0
         assert co["suffix_commits"] == 0 and co["early_threshold"] == 0.7
-        assert ro["early_commits"] == 0 and ro["suffix_commits"] == 0 and ro["early_threshold"] is None
     # sweep rows: named with their threshold, on their decoder's curve with the unsuffixed 0.9 row
     for b in BR.SWEPT:
         assert allr[b]["curve"] == b and allr[b]["threshold"] == 0.9
@@ -177,6 +179,12 @@ def test_bench_run_rejects_unknown_names(capsys):
     assert "no threshold sweep" in capsys.readouterr().err
     assert BR.main(["--tasks", "nope", "--n", "1", "--out", ""]) == 2
     assert "unknown task" in capsys.readouterr().err
+
+
+def test_task_groups_expand():
+    assert BR.expand_tasks("long") == T.LONG_TASK_NAMES
+    assert BR.expand_tasks("copy,tiny_tasks") == T.TASK_NAMES  # in place, duplicates dropped
+    assert BR.expand_tasks("long_copy, sort") == ("long_copy", "sort")
 
 
 def test_h200_projection_model():

@@ -50,3 +50,27 @@ def test_bench_quick_path_tiny(tmp_path):
     assert "refresh step / plain dual-cache step" in B.markdown(result)
     assert all(f["ms_median"] > 0 for f in kinds.values())
     assert "| model variant | decoder | cache |" in B.markdown(result)
+
+
+def test_bench_dream_rows_tiny(tmp_path):
+    """``--family dream``: a random Dream-architecture model (q/k/v biases, GQA) decoded by Dream's samplers
+    (no cache, the dual-cache loop with the threshold and the entropy schedule, Polestar with the family's
+    parameters); each row commits every token and the forward kinds are costed."""
+    bc = dataclasses.replace(TINY, name="smoke-dream", family="dream", n_kv_heads=1)
+    cfg = bc.model_config()
+    assert cfg.family == "dream" and cfg.include_qkv_bias and (cfg.n_heads, cfg.n_kv_heads) == (2, 1)
+    assert "bq" in B.make_params(bc, cfg)["random"]["blocks"]
+    data = B.run_bench(bc, str(tmp_path), command="test")
+    assert data["config"]["family"] == "dream"
+    rows = data["decoders"]
+    assert {r["variant"] for r in rows} == {"random", "peaked"}
+    labels = [lab for _, _, _, lab, _ in B.DREAM_DECODERS]
+    for v in ("random", "peaked"):
+        assert [r["label"] for r in rows if r["variant"] == v] == labels
+    for r in rows:
+        assert r["all_committed"] and r["tokens_per_s"] > 0 and r["gflops_per_token"] > 0, r
+        assert r["nfe"] >= TINY.gen_length // TINY.block_length, r
+    sched = [r for r in rows if r["label"] == "dream-dual-entropy"]
+    assert sched and all(r["nfe"] == TINY.steps for r in sched)  # the schedule fills a block at its last step
+    assert all("refresh_steps" in r for r in rows if r["decoder"] == "polestar")
+    assert "dream-polestar" in B.markdown(data) and "(dream)" in B.markdown(data)

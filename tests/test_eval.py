@@ -42,15 +42,7 @@ def _items():
     return [(t, p, a) for t in TASKS for p, a in T.eval_instances(t, N)]
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    """This session's compile cache (never the user's), and no hub look-ups."""
-    monkeypatch.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)  # enable_compile_cache sets 0.5
+pytestmark = pytest.mark.usefixtures("offline_session_cache")
 
 
 def _main(argv, capsys):

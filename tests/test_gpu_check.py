@@ -112,3 +112,73 @@ def test_gpu_check_8b_shapes_lower_for_cuda(kind):
             mlir = compat.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
                 params, state, cs).mlir_module()
             assert "__gpu$xla.gpu.triton" in mlir
+
+
+# ------------------------------------------------------------------------------------------------ Dream
+def _qwen2_layer_params(cfg) -> int:
+    """Weights of one Qwen2-layout layer: q/k/v/o, the SwiGLU MLP, two norms, the q/k/v biases."""
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.mlp_hidden_size
+    return 2 * d * q + 2 * d * kv + 3 * d * f + 2 * d + q + 2 * kv
+
+
+def test_gpu_check_smoke_dream(tmp_path, capsys):
+    """``--smoke --family dream``: tiny Dream shapes (GQA 4 -> 2, q/k/v biases) with Dream's Polestar window
+    (64 rows back, 32 ahead); every kind runs, with the Pallas interpreter and the references."""
+    out = tmp_path / "gpu_check_dream.json"
+    assert G.main(SMOKE_ARGS + ["--family", "dream", "--refresh-buckets", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    c = data["config"]
+    assert c["family"] == "dream" and (c["n_heads"], c["n_kv_heads"], c["model_layers"]) == (4, 2, 28)
+    assert (c["prompt_length"], c["B"], c["R"], c["suffix_rows"], c["proxy_heads"]) == (64, 16, 96, 32, 1)
+    cfg, _ = G.model_config(G.CheckConfig(layers=1, smoke=True, family="dream"))
+    n_params = 2 * cfg.embedding_size * cfg.d_model + cfg.d_model + _qwen2_layer_params(cfg)
+    assert data["param_bytes"] == 2 * n_params  # bf16, the biases included
+    rows = {(r["kind"], r["kernels"]): r for r in data["results"]}
+    assert len(rows) == len(G.KINDS) + len(G.KERNEL_KINDS) and all(r["status"] == "ok" for r in rows.values())
+    if jax.default_backend() == "cpu":
+        assert set(data["kernels_resolved"]["pallas"].values()) == {"interpret"}
+    ref = rows[("polestar_refresh_step", "reference")]
+    assert ref["query_rows"] == c["B"] + c["R"] and ref["bytes"] == ref["bytes_model"]["total"]
+    assert "dream: 1 of 28 layers" in printed and "4 heads / 2 KV heads" in printed
+
+
+def test_gpu_check_dream7b_bytes_model():
+    """Dream-7B shapes from tests/data/dream7b_config.json: the byte model counts the q/k/v biases, the K/V
+    cache of the 4 KV heads (not 28), Dream's 96-row store and its single proxy-attention head."""
+    cc = G.CheckConfig(layers=4, family="dream")
+    cfg, model_layers = G.model_config(cc)
+    assert (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden_size, cfg.embedding_size,
+            cfg.n_layers, model_layers, cfg.include_qkv_bias) == (3584, 28, 4, 128, 18944, 152064, 4, 28, True)
+    bm = G.bytes_model("dual_step", cfg, cc)
+    assert bm["per_layer"]["weights"] == _qwen2_layer_params(cfg) * 2  # 466 MB bf16
+    assert bm["per_layer"]["kv"] == 2 * 4 * 512 * 128 * 2 + 2 * 4 * 32 * 128 * 2  # cache read + block rows
+    assert bm["once"]["lm_head"] >= 3584 * 152064 * 2
+    g = G.geometry_numbers(cfg, cc)
+    assert (g["R"], g["suffix_rows"], g["proxy_heads"], g["K"]) == (96, 32, 1, 8)
+    refresh = G.bytes_model("polestar_refresh_step", cfg, cc)
+    assert refresh["per_layer"]["polestar"] == 2 * 96 * 3584 * 2 + 2 * 1 * 8 * 512 * 4
+    assert refresh["once"]["drift"] == 2 * 28 * 32 * 512 * 4  # the token drift keeps all 28 query heads
+    with pytest.raises(ValueError, match="llada config"):
+        G.model_config(G.CheckConfig(family="dream", model_config=G.LLADA_8B_CONFIG))
+
+
+@pytest.mark.parametrize("kind", ["polestar_start", "polestar_refresh_step"])
+def test_gpu_check_dream7b_shapes_lower_for_cuda(kind):
+    """Dream-7B-shaped Polestar steps (1 layer, L 512, block 32) trace, keep their state's structure and, with
+    ``pallas``, lower for cuda with Triton kernels: what an H200 run of ``--family dream`` compiles."""
+    cc = G.CheckConfig(layers=1, family="dream")
+    cfg, _ = G.model_config(cc)
+    params = jax.eval_shape(lambda: G.init_params(cfg, jax.random.key(0, impl="rbg")))
+    assert params["blocks"]["bk"].shape == (1, 512)
+    state = jax.eval_shape(lambda: G.make_state(cfg, cc, polestar=True))
+    cs = jax.ShapeDtypeStruct((), jnp.int32)
+    for kernels in (G.KERNEL_MODES if kind in G.KERNEL_KINDS else ("none",)):
+        fn = G.step_fn(kind, cfg, cc, kernels)
+        _, new_state = jax.eval_shape(fn, params, state, cs)
+        assert jax.tree.structure(new_state) == jax.tree.structure(state)
+        if kernels == "pallas":
+            checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+            mlir = compat.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+                params, state, cs).mlir_module()
+            assert "__gpu$xla.gpu.triton" in mlir

@@ -33,10 +33,11 @@ def _interrupt_after(delay: float, env: dict) -> tuple[int, str, str, float]:
 
 def test_sigint_at_every_stage_leaves_a_valid_cache(subprocess_env, tmp_path):
     """Signals during the imports, the model load, the XLA compilation (cold cache) and, with a warm cache,
-    the run itself; then the same command runs to the end on that cache without a cache warning."""
+    the run itself; then the same command runs to the end on that cache without a cache warning. (One delay
+    per stage of the cold run: the imports, the model load, the compilation.)"""
     env = dict(subprocess_env, POLESTAR_JAX_CACHE=str(tmp_path / "cc"))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    for delay in (0.3, 1.5, 4.0, 8.0):
+    for delay in (0.3, 1.5, 5.0):
         code, out, err, took = _interrupt_after(delay, env)
         assert (code, err) == (130, "interrupted\n"), (delay, code, out, err[-2000:])
         assert took < 2.0, (delay, took)

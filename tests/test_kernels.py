@@ -184,7 +184,6 @@ def test_resolve_backend():
     assert BK.resolve_backend("auto") == ("pallas" if jax.default_backend() in ("gpu", "tpu") else "reference")
     assert BK.resolve_backend("auto", "rocm", kernel="kl_drift") == "reference"  # no verified lowering
     assert BK.resolve_backend("pallas", "rocm", kernel="kl_drift") == "interpret"
-    assert BK.flavor_for("tpu") == "mosaic" and BK.flavor_for("cuda") == "triton"
     with pytest.raises(ValueError):
         BK.resolve_backend("triton")
 

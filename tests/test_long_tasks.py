@@ -178,7 +178,9 @@ def test_tiny_long_preset_fits():
     from polestar_jax.tokenizer import asset_model_dir, load_tokenizer
 
     tc = TT.preset_config("tiny_long")
-    assert tc.preset == "tiny_long" and tc.tasks == T.LONG_TASK_NAMES
+    assert tc.preset == "tiny_long" and set(T.LONG_TASK_NAMES) <= set(tc.tasks)
+    assert tc.eval_tasks == T.LONG_TASK_NAMES  # evaluated on the long tasks only
+    assert len(tc.task_weights) == len(tc.tasks) and tc.init_from == "tiny_tasks"
     assert tc.gen_length >= 128 and tc.gen_length % 32 == 0 and tc.block_length == 32
     assert tc.gen_length // tc.block_length >= 4
     assert T.MAX_LONG_ANSWER_CHARS < tc.gen_length  # room for at least one EOS
@@ -187,9 +189,9 @@ def test_tiny_long_preset_fits():
     tok = load_tokenizer(asset_model_dir(TT.TOKENIZER_SOURCE))
     longest = "replace 23 with zed: " + ",".join(TL.LONG_NAMES[:TL.LONG_MAX_LEN])
     assert len(TT.prompt_ids(tok, longest)) <= tc.prompt_slot
-    for task in T.LONG_TASK_NAMES:
-        for p, _ in T.eval_instances(task, 50):
-            assert len(TT.prompt_ids(tok, p)) <= tc.prompt_slot
+    for task in tc.tasks:  # every training task (curriculum included) fits the layout
+        for p, a in T.eval_instances(task, 50):
+            assert len(TT.prompt_ids(tok, p)) <= tc.prompt_slot and len(a) < tc.gen_length
     # the default is still tiny_tasks, and configurations saved without a preset read back as tiny_tasks
     assert TT.preset_config("tiny_tasks") == TT.TrainConfig()
     d = TT.TrainConfig().to_json()
@@ -205,3 +207,22 @@ def dataclasses_replace(tc, **kw):
     import dataclasses
 
     return dataclasses.replace(tc, **kw)
+
+
+@pytest.mark.parametrize("task", T.LONG_TASK_NAMES)
+def test_mid_curriculum_is_the_same_task_on_medium_lists(task):
+    """``mid_*``: the formats and references of the long tasks on 7-14 names (16-31 digits), registered
+    with their own seeds; the long tasks' instances do not change."""
+    mid = "mid_" + task[len("long_"):]
+    assert mid in T.MID_TASK_NAMES and mid not in T.LONG_TASK_NAMES and mid not in T.TASK_NAMES
+    lo, hi = TL.MID_RUNMAX_LEN if task == "long_runmax" else TL.MID_LEN
+    lengths = set()
+    for p, a in T.eval_instances(mid, 60):
+        n = len(_items(p))
+        assert lo <= n <= hi
+        lengths.add(n)
+        assert a == _expected(task, p) and T.score(mid, p, a)
+    assert len(lengths) >= 4
+    long_prompts = {p for p, _ in T.eval_instances(task, 60)}
+    assert not long_prompts & {p for p, _ in T.eval_instances(mid, 60)}
+    assert all(TL.LONG_MIN_LEN <= len(_items(p)) for p in long_prompts) or task == "long_runmax"

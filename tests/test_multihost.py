@@ -1,10 +1,14 @@
-"""Multi-process runs: two CPU processes on 127.0.0.1 (2 simulated devices each) join one JAX runtime
-(gloo collectives) and decode over one mesh spanning both; results must equal one process on one device.
+"""Multi-process runs: two CPU processes on 127.0.0.1 (4 simulated devices each) join one JAX runtime (gloo
+collectives) and decode over one mesh of all 8 devices; results must equal one process on one device.
 
-One pair of processes runs every multi-process check in one script (each compile is paid once per pair;
-the pair shares the session's compilation cache), and is killed if it overruns."""
+One pair of processes per mesh layout (``data=2,model=4``; ``data=1,model=8``) runs every check of that layout
+in one go (tests/multihost_driver.py: each program is compiled once per pair; the pair shares the session's
+compilation cache); it is killed, group and all, if it overruns. The single-device references run in this
+process, once per module."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -17,50 +21,36 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
+DRIVER = os.path.join(ROOT, "tests", "multihost_driver.py")
+MARK = "@@ "  # the driver's record line after each command (tests/multihost_driver.py)
 PROMPTS = ["reverse: ann,bob,cal,dan", "copy: gus,hal,ivy"]
 ISSUE_PROMPT = PROMPTS[0]
-PAIR_TIMEOUT_S = 900
+DEVICES = 4  # per process
+LAYOUTS = ("data=2,model=4", "data=1,model=8")
+PAIR_TIMEOUT_S = 600
 
-# Runs the commands of argv[1] (a JSON list) in this process, joined by the first of them; each command's
-# exit status goes to stderr (stdout carries only what the commands print: process 0's results).
-_WORKER = r"""
-import json, sys, time
-import numpy as np
-from polestar_jax import crosscheck, generate, sharding
+_DECODERS = {"llada": ["--decoder", "llada"], "fastdllm": ["--decoder", "fastdllm", "--cache", "dual"]}
+_ISSUE = ["--prompt", ISSUE_PROMPT, "--refresh-buckets", "1"]  # the issue's command, Polestar (one refresh
+# width: cheaper to compile; tokens do not depend on it, tests/test_refresh.py)
 
-def shards(spec, folder):  # each process holds (and read) only its shards, equal to the full tensor's slices
-    from polestar_jax.checkpoint import load_model
-    mesh = sharding.make_mesh(spec)
-    _, full = load_model(folder, dtype="float32")
-    _, sh = load_model(folder, dtype="float32", shardings=mesh)
-    out = {}
-    for key in ("wq", "w_down"):
-        a, ref = sh["blocks"][key], np.asarray(full["blocks"][key])
-        out[key] = {"global": list(a.shape), "local": [list(s.data.shape) for s in a.addressable_shards],
-                    "equal": all(np.array_equal(np.asarray(s.data), ref[s.index]) for s in a.addressable_shards)}
-    return out
+# the local lm-eval task of tests/test_eval.py (9 held-out bench.tasks instances, batch 7, prompt slot 64) and
+# the bench.run job of the same instances, both with Fast-dLLM's dual cache (cheaper to compile than Polestar,
+# whose multi-process runs are checked through generate and crosscheck; the eval path is the same)
+EVAL_TASK = "polestar_local"
+EVAL_FLAGS = ["--tasks", EVAL_TASK, "--include-path", os.path.join(DATA, "eval_local"), "--apply-chat-template",
+              "--batch-size", "7", "--model-args", "pad_multiple=64", "--bootstrap-iters", "0", "--no-progress",
+              "--decoder", "fastdllm", "--cache", "dual"]
+BENCH_DECODER = "fastdllm-dual"
+BENCH_FLAGS = ["--n", "3", "--tasks", "copy,sort,add", "--decoders", BENCH_DECODER, "--no-sweep", "--repeats", "1",
+               "--batch", "7", "--no-flops", "--no-projection", "--no-progress"]
 
-def api(spec, prompts):
-    from polestar_jax.api import load
-    out = load(mesh=spec).generate(prompts, decoder="llada")
-    return [[r.text, r.nfe] for r in out]
 
-rcs, seconds = [], []
-for cmd in json.loads(sys.argv[1]):
-    kind, args = cmd[0], cmd[1:]
-    t0 = time.monotonic()
-    if kind == "generate":
-        rcs.append(generate.main(args))
-    elif kind == "crosscheck":
-        rcs.append(crosscheck.main(args))
-    else:
-        print(kind.upper() + " " + json.dumps({"shards": shards, "api": api}[kind](*args)), file=sys.stderr)
-        rcs.append(0)
-    seconds.append(round(time.monotonic() - t0, 1))
-    print("RCS " + json.dumps(rcs), file=sys.stderr, flush=True)
-    print("SECONDS " + json.dumps(seconds), file=sys.stderr, flush=True)
-sys.exit(max(rcs))
-"""
+def _has_lm_eval() -> bool:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture(autouse=True)
@@ -77,16 +67,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(env: dict, argvs: list[list[str]], devices: int, timeout: float, extra_env=None) -> list[tuple]:
+def _launch(env: dict, argvs: list[list[str]], devices: int, timeout: float) -> list[tuple]:
     """Starts len(argvs) processes (process i runs argvs[i]) joined at a fresh 127.0.0.1 port; waits at
-    most ``timeout`` s, killing the whole group on overrun. Returns [(rc, stdout, stderr)]."""
+    most ``timeout`` s, killing each process group on overrun or error. Returns [(rc, stdout, stderr)]."""
     port = _free_port()
     procs = []
     try:
         for i, argv in enumerate(argvs):
             e = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(len(argvs)),
-                     JAX_PROCESS_ID=str(i), POLESTAR_JAX_JOIN_TIMEOUT="120", **(extra_env or {}))
+                     JAX_PROCESS_ID=str(i), POLESTAR_JAX_JOIN_TIMEOUT="120")
             procs.append(subprocess.Popen(argv, env=e, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True, start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -102,21 +92,29 @@ def _launch(env: dict, argvs: list[list[str]], devices: int, timeout: float, ext
                 p.wait()
 
 
-def _json_lines(text: str) -> list[dict]:
-    return [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+def _records(stdout: str) -> list[tuple[dict, str]]:
+    """(the driver's record, what the command printed on stdout) per command, in order."""
+    out, lines = [], []
+    for ln in stdout.splitlines():
+        if ln.startswith(MARK):
+            out.append((json.loads(ln[len(MARK):]), "\n".join(lines)))
+            lines = []
+        else:
+            lines.append(ln)
+    assert not lines, lines[-20:]  # nothing after the last command
+    return out
 
 
-def _tagged(stderr: str, tag: str):
-    return json.loads([ln for ln in stderr.splitlines() if ln.startswith(tag + " ")][-1][len(tag) + 1:])
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
 
 
-def _reference(capsys, argv: list[str]) -> dict:
-    """The JSON line of ``generate`` run in this process, on its one default device."""
-    from polestar_jax.generate import main
-
-    capsys.readouterr()
-    assert main(argv + ["--json"]) == 0
-    return _json_lines(capsys.readouterr().out)[-1]
+def _quietly(fn, *args):
+    """(fn(*args), its stdout)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = fn(*args)
+    return rc, buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -134,65 +132,157 @@ def polestar_subset(tmp_path_factory) -> str:
     return str(dst)
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict:
+    """The same commands in this process, on its one default device: generate's JSON line for llada and
+    Fast-dLLM dual (both prompts) and Polestar (the issue's command); with lm-eval, the eval of the local task
+    (its JSON line, results.json and samples)."""
+    import jax
+
+    from polestar_jax import eval as ev
+    from polestar_jax.generate import main as generate
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    refs = {}
+    try:
+        for name, argv in [(d, _argv(PROMPTS, *flags)) for d, flags in _DECODERS.items()] + [("polestar", _ISSUE)]:
+            rc, out = _quietly(generate, argv + ["--json"])
+            assert rc == 0, out
+            refs[name] = _last_json(out)
+        if _has_lm_eval():
+            path = tmp_path_factory.mktemp("eval_reference") / "out"
+            rc, out = _quietly(ev.main, EVAL_FLAGS + ["--output-path", str(path), "--json"])
+            assert rc == 0, out
+            refs["eval"] = {"json": _last_json(out), "samples": _samples(path)}
+    finally:
+        mp.undo()
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)  # enable_compile_cache sets 0.5
+    return refs
+
+
 def _argv(prompts, *flags) -> list[str]:
     return [a for p in prompts for a in ("--prompt", p)] + list(flags)
 
 
-_DECODERS = {"llada": ["--decoder", "llada"], "fastdllm": ["--decoder", "fastdllm", "--cache", "dual"]}
-_ISSUE = _argv([ISSUE_PROMPT], "--refresh-buckets", "1")  # the issue's command (one refresh width: cheaper
-# to compile; tokens do not depend on it, tests/test_refresh.py)
+def _samples(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, f"samples_{EVAL_TASK}.jsonl")) as f:
+        return sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
 
 
-def test_two_processes_decode_like_one_device(subprocess_env, capsys, polestar_subset):
-    """2 processes x 2 CPU devices: llada, Fast-dLLM dual (data=2,model=2: the batch split over the
-    processes; data=1,model=4) and Polestar (the issue's command, data=1,model=4) print what one process on
-    one device prints (tokens, NFE, Polestar stats), from process 0 only; the golden Polestar run file
-    replays exactly (data=2,model=2, its 2 cases split over the processes); each process holds only its
-    parameter shards; the text API joins and decodes; every process exits with the same status."""
+def _commands(mesh: str, subset: str, tmp) -> list[tuple[str, list]]:
+    """(name, driver command) of every check of layout ``mesh``; the first command joins the runtime. Both
+    layouts: llada and Fast-dLLM dual (generate), the parameter shards. Polestar: at data=2 (the batch split
+    over the processes) the golden replay of 2 cases, one per process (tokens, NFE and block stats equal to
+    the reference's, as one device's are); at data=1 the issue's command against one device. data=2 also:
+    eval and bench.run, the text API, bad input."""
+    split = mesh.startswith("data=2")
     cmds = []
-    for mesh in ("data=2,model=2", "data=1,model=4"):
-        for dec, flags in _DECODERS.items():
-            cmds.append(["generate"] + _argv(PROMPTS, *flags, "--mesh", mesh, "--json"))
-        if mesh == "data=2,model=2":
-            cmds.append(["api", mesh, PROMPTS])  # same shapes as the llada run: no compile
-    cmds.append(["generate"] + _ISSUE + ["--mesh", "data=1,model=4", "--json"])
-    cmds.append(["crosscheck", "--mesh", "data=2,model=2", "--batch", "2", polestar_subset])
-    cmds.append(["shards", "data=1,model=4", os.path.join(DATA, "polestar_tiny_p")])
-    cmds.append(["generate", "--prompt", " ", "--mesh", "data=2,model=2"])  # bad input: status 2 everywhere
-    argv = [sys.executable, "-c", _WORKER, json.dumps(cmds)]
-    t0 = time.monotonic()
-    env = dict(subprocess_env, POLESTAR_JAX_CACHE=os.environ["POLESTAR_JAX_CACHE"])
-    (rc0, out0, err0), (rc1, out1, err1) = _launch(env, [argv, argv], devices=2, timeout=PAIR_TIMEOUT_S)
-    seconds = time.monotonic() - t0
-    assert rc0 == rc1 == 2, (rc0, rc1, err0[-3000:], err1[-3000:])
-    assert _tagged(err0, "RCS") == _tagged(err1, "RCS") == [0] * (len(cmds) - 1) + [2]
-    assert out1 == "", out1[-2000:]  # process 1 prints no results ...
-    assert "[Gloo]" not in out0  # ... and native chatter goes to stderr
-    results = _json_lines(out0)
-    assert len(results) == 5, out0[-2000:]
-    assert out0.rstrip().splitlines()[-1] == "2 passed, 0 failed", out0[-2000:]  # the golden replay
+    if split and _has_lm_eval():  # eval joins by itself; bench.run decodes the same job
+        cmds += [("eval", ["eval", *EVAL_FLAGS, "--mesh", mesh, "--output-path", str(tmp / "eval{process}"),
+                           "--json"]),
+                 ("bench", ["bench", *BENCH_FLAGS, "--mesh", mesh, "--out", str(tmp / "bench{process}")])]
+    cmds += [(dec, ["generate", *_argv(PROMPTS, *flags), "--mesh", mesh, "--json"])
+             for dec, flags in _DECODERS.items()]
+    if split:
+        cmds += [("api", ["api", mesh, PROMPTS]),  # same shapes as the llada run: no compile
+                 ("golden", ["crosscheck", "--mesh", mesh, "--batch", "2", subset])]
+    else:
+        cmds.append(("polestar", ["generate", *_ISSUE, "--mesh", mesh, "--json"]))
+    cmds.append(("shards", ["shards", mesh, os.path.join(DATA, "polestar_tiny_p")]))  # (loads only)
+    if split:
+        cmds.append(("bad_input", ["generate", "--prompt", " ", "--mesh", mesh]))  # status 2 everywhere
+    return cmds
 
-    # the single-process, single-device runs of the same commands
-    refs = {dec: _reference(capsys, _argv(PROMPTS, *flags)) for dec, flags in _DECODERS.items()}
-    issue_ref = _reference(capsys, _ISSUE)
-    got = {("data=2,model=2", "llada"): results[0], ("data=2,model=2", "fastdllm"): results[1],
-           ("data=1,model=4", "llada"): results[2], ("data=1,model=4", "fastdllm"): results[3]}
-    for (mesh, dec), r in got.items():
-        for key in ("token_ids", "nfe", "text"):
-            assert r[key] == refs[dec][key], (mesh, dec, key)
-    issue = results[4]
-    for key in ("text", "token_ids", "nfe", "refresh_steps", "early_commits", "suffix_commits", "windowed_passes"):
-        assert issue[key] == issue_ref[key], key
-    assert issue["text"] == "dan,cal,bob,ann"
-    assert _tagged(err0, "API") == _tagged(err1, "API") == [[t, n] for t, n in zip(refs["llada"]["text"],
-                                                                                    refs["llada"]["nfe"])]
-    for err in (err0, err1):
-        sh = _tagged(err, "SHARDS")
-        n, d, q = sh["wq"]["global"]
-        assert sh["wq"]["local"] == [[n, d, q // 4]] * 2 and sh["wq"]["equal"]
-        n, f, d = sh["w_down"]["global"]
-        assert sh["w_down"]["local"] == [[n, f // 4, d]] * 2 and sh["w_down"]["equal"]
-    print(f"two-process pair: {seconds:.0f} s; per command {_tagged(err0, 'SECONDS')}")
+
+@pytest.mark.parametrize("mesh", LAYOUTS)
+def test_two_processes_decode_like_one_device(mesh, subprocess_env, polestar_subset, references, tmp_path):
+    """2 processes x 4 CPU devices over one mesh: llada and Fast-dLLM dual (both prompts; at data=2 split over
+    the processes) print what one process on one device prints (text, tokens, NFE), from process 0 only;
+    Polestar is exact (data=1,model=8: the issue's command prints one device's text, tokens, NFE and stats;
+    data=2,model=4: the golden run file replays exactly, one case per process); each process holds only its
+    parameter shards; every process exits with the same status. data=2,model=4 also: the eval CLI on the
+    local task (results equal the one-device eval; process 0 alone writes files), bench.run on the same job
+    (the same accounting), the text API, bad input (status 2 everywhere)."""
+    cmds = _commands(mesh, polestar_subset, tmp_path)
+    names = [n for n, _ in cmds]
+    argv = [sys.executable, DRIVER, json.dumps([c for _, c in cmds])]
+    env = dict(subprocess_env, POLESTAR_JAX_CACHE=os.environ["POLESTAR_JAX_CACHE"], HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    t0 = time.monotonic()
+    (rc0, out0, err0), (rc1, out1, err1) = _launch(env, [argv, argv], devices=DEVICES, timeout=PAIR_TIMEOUT_S)
+    print(f"{mesh}: two-process pair {time.monotonic() - t0:.0f} s")
+    want_rcs = [2 if n == "bad_input" else 0 for n in names]
+    assert rc0 == rc1 == max(want_rcs), (rc0, rc1, err0[-3000:], err1[-3000:])
+    recs0, recs1 = _records(out0), _records(out1)
+    cost = {n: (a["seconds"], a["cpu_seconds"], b["cpu_seconds"]) for n, (a, _), (b, _) in zip(names, recs0, recs1)}
+    print(f"{mesh}: per command (wall s, CPU s of process 0, of process 1): {cost}")
+    assert [r["rc"] for r, _ in recs0] == [r["rc"] for r, _ in recs1] == want_rcs
+    assert all(text == "" for _, text in recs1), recs1  # process 1 prints no results ...
+    assert "[Gloo]" not in out0  # ... and native chatter goes to stderr
+    got = {n: (r, text) for n, (r, text) in zip(names, recs0)}
+    got1 = {n: r for n, (r, _) in zip(names, recs1)}
+
+    for dec in _DECODERS:
+        res = _last_json(got[dec][1])
+        for key in ("text", "token_ids", "nfe"):
+            assert res[key] == references[dec][key], (mesh, dec, key)
+    assert ("polestar" in got) != ("golden" in got)
+    if "polestar" in got:
+        res = _last_json(got["polestar"][1])
+        for key in ("text", "token_ids", "nfe", "refresh_steps", "early_commits", "suffix_commits",
+                    "windowed_passes"):
+            assert res[key] == references["polestar"][key], (mesh, key)
+        assert res["text"] == "dan,cal,bob,ann"
+    if "golden" in got:
+        assert got["golden"][1].splitlines()[-1] == "2 passed, 0 failed", got["golden"][1]
+    if "api" in got:
+        want = [[t, n] for t, n in zip(references["llada"]["text"], references["llada"]["nfe"])]
+        assert got["api"][0]["value"] == got1["api"]["value"] == want
+    if "bad_input" in got:
+        assert got["bad_input"][1] == ""
+    if "shards" in got:  # the MLP splits over model; attention only in whole heads (4 heads: not on 8)
+        m = int(mesh.split("model=")[1])
+        with open(os.path.join(DATA, "polestar_tiny_p", "config.json")) as f:
+            heads = json.load(f)["n_heads"]
+        for sh in (got["shards"][0]["value"], got1["shards"]["value"]):
+            n, d, q = sh["wq"]["global"]
+            want = [n, d, q // m] if heads % m == 0 else [n, d, q]
+            assert sh["wq"]["local"] == [want] * DEVICES and sh["wq"]["equal"]
+            n, f, d = sh["w_down"]["global"]
+            assert sh["w_down"]["local"] == [[n, f // m, d]] * DEVICES and sh["w_down"]["equal"]
+    if "eval" in got:
+        _check_eval_and_bench(got["eval"][1], got["bench"][1], tmp_path, references["eval"])
+
+
+def _check_eval_and_bench(eval_out: str, bench_out: str, tmp, ref: dict) -> None:
+    """The two-process eval equals the one-device eval (metric, accounting, every response and its
+    forwards), bench.run's rows agree with it; only process 0 wrote files."""
+    assert not (tmp / "eval1").exists() and not (tmp / "bench1").exists()
+    last = _last_json(eval_out)
+    assert last["results"] == ref["json"]["results"]
+    for key in ("requests", "nfe", "non_eos_tokens", "tpf"):
+        assert last["polestar_jax"]["total"][key] == ref["json"]["polestar_jax"]["total"][key], key
+    samples = _samples(tmp / "eval0")
+    assert [s["resps"] for s in samples] == [s["resps"] for s in ref["samples"]]
+    assert [[r["nfe"] for r in s["polestar_jax"]] for s in samples] == \
+        [[r["nfe"] for r in s["polestar_jax"]] for s in ref["samples"]]
+    results = json.load(open(tmp / "eval0" / "results.json"))
+    assert results["polestar_jax"]["device"]["process_count"] == 2
+    assert results["polestar_jax"]["device"]["count"] == 2 * DEVICES
+
+    assert f"| {BENCH_DECODER} |" in bench_out  # process 0's markdown table
+    rows = {r["task"]: r for r in json.load(open(tmp / "bench0" / "results.json")) if r["decoder"] == BENCH_DECODER}
+    pj = last["polestar_jax"]["total"]
+    assert rows["all"]["accuracy"] == pytest.approx(last["results"][EVAL_TASK]["exact_match,none"], abs=1e-12)
+    assert rows["all"]["non_eos_tokens"] == pj["non_eos_tokens"]
+    assert rows["all"]["nfe"] == pytest.approx(pj["nfe_per_request"], abs=1e-12)
+    assert rows["all"]["tpf"] == pytest.approx(pj["tpf"], abs=1e-12)
+    run = json.load(open(tmp / "bench0" / "run.json"))
+    assert run["config"]["mesh"] == "data=2,model=4"
 
 
 def test_unreachable_coordinator_fails_with_one_line(subprocess_env):
@@ -225,6 +315,25 @@ def test_bad_join_flags_are_one_line_errors(flags, message, capsys, monkeypatch)
     assert main(["--prompt", "x"] + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_eval_and_bench_take_the_join_flags(capsys, monkeypatch, tmp_path):
+    """The eval CLI and bench.run parse the same join flags and report bad ones in one line (status 2)."""
+    from bench import run as bench_run
+    from polestar_jax import eval as ev
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    bad = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"]
+    mains = [(bench_run.main, ["--out", ""])]
+    if _has_lm_eval():
+        mains.append((ev.main, EVAL_FLAGS + ["--output-path", str(tmp_path / "out")]))
+    for main, argv in mains:
+        capsys.readouterr()
+        assert main(argv + bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0] == "error: process id 5 is not in [0, 2)", err
+    assert not (tmp_path / "out").exists()
 
 
 def test_join_runtime_without_settings_or_after_jax_started(monkeypatch):
@@ -261,7 +370,7 @@ def test_sharded_load_equals_load_then_device_put(tmp_path):
     for path, dtype in ((folder, None), (folder, "bfloat16"), (str(tmp_path / "conv"), "bfloat16")):
         _, a = load_model(path, dtype=dtype)
         _, b = load_model(path, dtype=dtype, shardings=mesh)
-        want = sharding.param_shardings(a, mesh)
+        want = sharding.param_shardings(a, mesh, cfg)  # (whole heads, as load_model splits them)
         for x, y, s in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(want)):
             assert x.dtype == y.dtype and y.sharding == s
             np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))

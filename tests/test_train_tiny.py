@@ -80,3 +80,24 @@ def test_export_loads_back(tmp_path):
     assert tok.chat_template
     readme = (tmp_path / "model" / "README.md").read_text()
     assert "exact match" in readme and "copy" in readme
+
+
+def test_init_from_starts_at_those_weights_and_eval_tasks_pick_the_evaluation(tmp_path):
+    """``init_from`` (fine-tuning) starts the run at a model folder's weights exactly; a folder of other
+    shapes is refused in one line; ``eval_tasks`` chooses what the evaluations score."""
+    from polestar_jax.checkpoint import load_model
+
+    base = _run(TINY, tmp_path / "base", stop_at=2)
+    TT.export(base, TINY, str(tmp_path / "model"), eval_n=1)
+    _, want = load_model(str(tmp_path / "model"), dtype="float32")
+    tc = dataclasses.replace(TINY, init_from=str(tmp_path / "model"), eval_tasks=("copy", "remove"))
+    tok = TT.load_tokenizer(TT.asset_model_dir(TT.TOKENIZER_SOURCE))
+    mcfg = TT.model_config(tc, tok)
+    got = TT.init_state(tc, mcfg)["params"]
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert TT.TrainConfig.from_json(tc.to_json()) == tc
+    wide = dataclasses.replace(tc, d_model=64, mlp_hidden=128)
+    with pytest.raises(SystemExit, match="shapes differ"):
+        TT.init_state(wide, TT.model_config(wide, tok))
+    assert set(TT.evaluate(got, mcfg, tok, 1, tc)) == {"copy", "remove"}

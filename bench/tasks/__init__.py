@@ -305,9 +305,14 @@ def decode_answer(tokenizer, ids: Sequence[int]) -> str:
 # sample_task, holdout_prompts and score work on them) but not in TASK_NAMES, which stays the tiny_tasks group.
 # Their salts start at 100, so adding them changes no existing task's instances.
 
-from .long import LONG_NAMES, LONG_TASKS, MAX_LONG_ANSWER_CHARS  # noqa: E402
+# The ``mid_*`` tasks (the same formats on 7-14 names) are ``tiny_long``'s training curriculum; salts from 200.
+
+from .long import LONG_NAMES, LONG_TASKS, MAX_LONG_ANSWER_CHARS, MID_TASKS  # noqa: E402
 
 LONG_TASK_NAMES: tuple[str, ...] = tuple(LONG_TASKS)
+MID_TASK_NAMES: tuple[str, ...] = tuple(MID_TASKS)
 TASKS.update(LONG_TASKS)
+TASKS.update(MID_TASKS)
 _TASK_SALT.update({name: 100 + i for i, name in enumerate(LONG_TASK_NAMES)})
-__all__ += ["LONG_NAMES", "LONG_TASKS", "LONG_TASK_NAMES", "MAX_LONG_ANSWER_CHARS"]
+_TASK_SALT.update({name: 200 + i for i, name in enumerate(MID_TASK_NAMES)})
+__all__ += ["LONG_NAMES", "LONG_TASKS", "LONG_TASK_NAMES", "MID_TASKS", "MID_TASK_NAMES", "MAX_LONG_ANSWER_CHARS"]

@@ -30,6 +30,7 @@ Answers are 57..99 characters (one byte-level token each), about 76 on average (
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Sequence
 
@@ -38,7 +39,7 @@ import numpy as np
 from . import Task, _exact, _join, _list_of
 from . import _ref_copy, _ref_insert, _ref_remove, _ref_replace, _ref_reverse, _ref_sort  # same references
 
-__all__ = ["LONG_NAMES", "LONG_TASKS", "LONG_MIN_LEN", "LONG_MAX_LEN", "RUNMAX_MIN_LEN", "RUNMAX_MAX_LEN",
+__all__ = ["LONG_NAMES", "LONG_TASKS", "MID_TASKS", "MID_LEN", "MID_RUNMAX_LEN", "LONG_MIN_LEN", "LONG_MAX_LEN", "RUNMAX_MIN_LEN", "RUNMAX_MAX_LEN",
            "MAX_LONG_ANSWER_CHARS"]
 
 #: 26 names of 3 letters with distinct first letters a..z (the 20 of ``bench.tasks.NAMES`` plus 6).
@@ -51,8 +52,8 @@ RUNMAX_MIN_LEN, RUNMAX_MAX_LEN = 32, 44
 MAX_LONG_ANSWER_CHARS = max(4 * (LONG_MAX_LEN + 1) - 1, 2 * RUNMAX_MAX_LEN - 1)
 
 
-def _names(rng: np.random.Generator) -> list[str]:
-    n = int(rng.integers(LONG_MIN_LEN, LONG_MAX_LEN + 1))
+def _names(rng: np.random.Generator, n_range: tuple[int, int] = (LONG_MIN_LEN, LONG_MAX_LEN)) -> list[str]:
+    n = int(rng.integers(n_range[0], n_range[1] + 1))
     return [LONG_NAMES[i] for i in rng.choice(len(LONG_NAMES), size=n, replace=False)]
 
 
@@ -64,36 +65,36 @@ def _fresh_name(rng: np.random.Generator, used: Sequence[str]) -> str:
 # ------------------------------------------------------------------------------------ list tasks
 # (the makers draw long lists through this module's _names; the references are the short tasks')
 
-def _make_copy(rng):
-    xs = _names(rng)
+def _make_copy(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     return f"copy: {_join(xs)}", _join(xs)
 
 
-def _make_reverse(rng):
-    xs = _names(rng)
+def _make_reverse(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     return f"reverse: {_join(xs)}", _join(xs[::-1])
 
 
-def _make_sort(rng):
-    xs = _names(rng)
+def _make_sort(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     return f"sort: {_join(xs)}", _join(sorted(xs))
 
 
-def _make_insert(rng):
-    xs = _names(rng)
+def _make_insert(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     new = _fresh_name(rng, xs)
     i = int(rng.integers(0, len(xs) + 1))
     return f"insert {new} at {i}: {_join(xs)}", _join(xs[:i] + [new] + xs[i:])
 
 
-def _make_remove(rng):
-    xs = _names(rng)
+def _make_remove(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     i = int(rng.integers(0, len(xs)))
     return f"remove {i}: {_join(xs)}", _join(xs[:i] + xs[i + 1:])
 
 
-def _make_replace(rng):
-    xs = _names(rng)
+def _make_replace(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     new = _fresh_name(rng, xs)
     i = int(rng.integers(0, len(xs)))
     return f"replace {i} with {new}: {_join(xs)}", _join(xs[:i] + [new] + xs[i + 1:])
@@ -111,8 +112,8 @@ _REPLACE_RE = re.compile(r"^replace (\d+) with ([a-z]{3}): ")
 _ROTATE_RE = re.compile(r"^rotate (\d+): ")
 
 
-def _make_rotate(rng):
-    xs = _names(rng)
+def _make_rotate(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     k = int(rng.integers(1, len(xs)))
     return f"rotate {k}: {_join(xs)}", _join(xs[k:] + xs[:k])
 
@@ -129,8 +130,8 @@ def _swap_pairs(xs: Sequence[str]) -> list[str]:
     return out
 
 
-def _make_swap(rng):
-    xs = _names(rng)
+def _make_swap(rng, n_range=(LONG_MIN_LEN, LONG_MAX_LEN)):
+    xs = _names(rng, n_range)
     return f"swap pairs: {_join(xs)}", _join(_swap_pairs(xs))
 
 
@@ -148,8 +149,8 @@ def _runmax(ds: Sequence[int]) -> list[int]:
     return out
 
 
-def _make_runmax(rng):
-    n = int(rng.integers(RUNMAX_MIN_LEN, RUNMAX_MAX_LEN + 1))
+def _make_runmax(rng, n_range=(RUNMAX_MIN_LEN, RUNMAX_MAX_LEN)):
+    n = int(rng.integers(n_range[0], n_range[1] + 1))
     ds = [int(v) for v in rng.integers(0, 10, size=n)]
     return f"runmax: {_join(map(str, ds))}", _join(map(str, _runmax(ds)))
 
@@ -176,3 +177,14 @@ LONG_TASKS: dict[str, Task] = {t.name: t for t in (
     Task("long_swap", _make_swap, _exact(_ref_swap), "swap adjacent pairs of a long list"),
     Task("long_runmax", _make_runmax, _exact(_ref_runmax), "running maximum of 32-44 digits, restarting at 0"),
 )}
+
+#: Curriculum lengths between ``tiny_tasks``' 3-6 names and the long tasks' 15-24: 7..14 names, 16..31 digits.
+MID_LEN, MID_RUNMAX_LEN = (7, 14), (16, 31)
+#: The same nine formats on medium lists (``mid_*``): a training curriculum for ``tiny_long``, which has to
+#: stretch ``tiny_tasks``' copying of short lists to long ones; never part of an evaluation.
+MID_TASKS: dict[str, Task] = {
+    "mid_" + t.name[len("long_"):]: Task(
+        "mid_" + t.name[len("long_"):],
+        functools.partial(t.make, n_range=MID_RUNMAX_LEN if t.name == "long_runmax" else MID_LEN),
+        t.score, t.doc.replace("a long list", "a medium list").replace("32-44", "16-31"))
+    for t in LONG_TASKS.values()}
