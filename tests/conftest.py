@@ -30,6 +30,7 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 TINY_A_DIR = DATA / "llada_tiny_a"
+DREAM_DIR = DATA / "dream_tiny_a"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,6 +46,21 @@ def tiny_a():
     from polestar_jax.checkpoint import load_model
 
     return load_model(str(TINY_A_DIR), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def dream():
+    """(cfg, params) of ``tests/data/dream_tiny_a`` in float32."""
+    from polestar_jax.checkpoint import load_model
+
+    return load_model(str(DREAM_DIR), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def dream_cases() -> dict:
+    """The parsed ``tests/data/dream_tiny_a/cases.json``."""
+    with open(DREAM_DIR / "cases.json") as f:
+        return json.load(f)
 
 
 @pytest.fixture(scope="session")

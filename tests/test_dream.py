@@ -22,19 +22,6 @@ from polestar_jax.family import FAMILIES, family_of
 DREAM_DIR = Path(__file__).parent / "data" / "dream_tiny_a"
 
 
-@pytest.fixture(scope="module")
-def dream():
-    from polestar_jax.checkpoint import load_model
-
-    return load_model(str(DREAM_DIR), dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def cases() -> dict:
-    with open(DREAM_DIR / "cases.json") as f:
-        return json.load(f)
-
-
 def _config_dict() -> dict:
     with open(DREAM_DIR / "config.json") as f:
         return json.load(f)
@@ -98,10 +85,10 @@ def test_kv_cache_holds_the_kv_heads(dream):
 
 
 # ------------------------------------------------------------------------------------------- forward
-def test_golden_logits_and_hidden_states(dream, cases):
-    """Two short golden logits cases and the hidden states (every case, up to L512: crosscheck)."""
+def test_golden_logits_and_hidden_states(dream, dream_cases):
+    """Two short golden logits dream_cases and the hidden states (every case, up to L512: crosscheck)."""
     cfg, params = dream
-    for case in cases["logits_cases"]:
+    for case in dream_cases["logits_cases"]:
         if case["file"] not in ("logits_L16.npy", "logits_allmask_L24.npy"):
             continue
         ids = jnp.asarray(np.asarray(case["input_ids"], np.int32))
@@ -109,7 +96,7 @@ def test_golden_logits_and_hidden_states(dream, cases):
         ref = np.load(DREAM_DIR / case["file"])
         assert CC._budget_used(np.asarray(out), ref) <= 1.0, case["file"]
         if hs is not None:
-            assert case["input_ids"] == cases["meta"]["hidden_states_input"]
+            assert case["input_ids"] == dream_cases["meta"]["hidden_states_input"]
             assert CC._budget_used(np.asarray(hs), np.load(DREAM_DIR / "hidden_states_L16.npy")) <= 1.0
 
 
@@ -127,13 +114,13 @@ def test_logit_alignment_is_the_familys(dream):
 # ------------------------------------------------------------------------------------------- samplers
 @pytest.mark.parametrize("name", ["dual_nocluster_thr/p0/g64_b16_s64", "dual_nocluster_sched/p0/g64_b16_s64",
                                   "plain_thr/p0/g64_b16_s64"])
-def test_golden_sampler_case(dream, cases, name):
+def test_golden_sampler_case(dream, dream_cases, name):
     """Output ids, NFE and the (position, token) commits of every forward, exactly (the whole set:
     crosscheck)."""
     from polestar_jax.engine import generate
 
     cfg, params = dream
-    case = next(c for c in cases["generate_cases"] if c["name"] == name)
+    case = next(c for c in dream_cases["generate_cases"] if c["name"] == name)
     dcfg = CC.dream_decode_config(case)
     res = generate(params, cfg, [case["prompt_ids"]], dcfg, prompt_slot=16)
     r = CC._check_generation(name, res, 0, len(case["prompt_ids"]), case["generated_ids"], case["nfe"],
@@ -253,13 +240,13 @@ def test_full_pass_window_is_fixed_and_the_windowed_pass_keeps_2b_b(dream):
     assert not valid[:32].any() and valid[32:64].all() and valid[64:80].all() and not valid[80:].any()
 
 
-def test_golden_polestar_case_with_injected_decisions(dream, cases):
+def test_golden_polestar_case_with_injected_decisions(dream, dream_cases):
     """One Dream Polestar case end to end (the k-means draws, labels and cluster choices injected, the
     structural ties by rule): output ids, NFE, commits of every forward and block_stats exactly."""
     from polestar_jax.engine import generate
 
     cfg, params = dream
-    case = next(c for c in cases["generate_cases"] if c["name"] == "polestar/p0/g64_b16_s64")
+    case = next(c for c in dream_cases["generate_cases"] if c["name"] == "polestar/p0/g64_b16_s64")
     dcfg = CC.dream_decode_config(case, kernels="reference", refresh_buckets=1)  # (one width: a faster compile)
     replay = CC.dream_replay(str(DREAM_DIR), [case], cfg, dcfg)
     res = generate(params, cfg, [case["prompt_ids"]], dcfg, prompt_slot=16, replay=replay)

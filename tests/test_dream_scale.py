@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 
 from polestar_jax import crosscheck as CC
-from polestar_jax.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.engine import generate
 from polestar_jax.family import FAMILIES
@@ -41,14 +40,8 @@ _TRITON = "__gpu$xla.gpu.triton"
 
 
 @pytest.fixture(scope="module")
-def dream():
-    return load_model(str(DREAM_DIR), dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def cases() -> list:
-    with open(DREAM_DIR / "cases.json") as f:
-        return json.load(f)["generate_cases"]
+def cases(dream_cases) -> list:
+    return dream_cases["generate_cases"]
 
 
 def _golden(cases: list, method: str, tag: str = "g64_b16_s64") -> list:
