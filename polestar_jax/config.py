@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import json
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from polestar_jax.errors import ConfigError
 
@@ -34,6 +34,17 @@ _MODEL_TYPES = {"llada": "llada", "Dream": "dream"}
 _DREAM_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                           "vocab_size")
 _DREAM_REQUIRED_VALUES: dict[str, Any] = {"hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def _check_fields(d: dict, source: str, required: Sequence[str], values: dict) -> None:
+    """One-line ``ConfigError`` for a missing ``required`` key of config dict ``d`` or a key whose value is
+    given (not None) and differs from the one ``values`` requires."""
+    missing = [f for f in required if f not in d]
+    if missing:
+        raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+    for key, want in values.items():
+        if key in d and d[key] is not None and d[key] != want:
+            raise ConfigError(f"{source}: unsupported {key}={d[key]!r} (this implementation needs {want!r})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +89,7 @@ class ModelConfig:
                               f"{', '.join(map(repr, _MODEL_TYPES))})")
         if _MODEL_TYPES[model_type] == "dream":
             return cls._from_dream_dict(d, source, generation)
-        missing = [f for f in _REQUIRED_FIELDS if f not in d]
-        if missing:
-            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
-        for key, want in _REQUIRED_VALUES.items():
-            if key in d and d[key] is not None and d[key] != want:
-                raise ConfigError(f"{source}: unsupported {key}={d[key]!r} (this implementation needs {want!r})")
+        _check_fields(d, source, _REQUIRED_FIELDS, _REQUIRED_VALUES)
         if d.get("include_qkv_bias"):
             raise ConfigError(f"{source}: unsupported include_qkv_bias=True")
         n_heads = int(d["n_heads"])
@@ -138,12 +144,7 @@ class ModelConfig:
         sampler takes them: the mask id from ``config.json`` (DreamConfig's default 151666 when absent),
         pad from the config (default 151643), eos from the config, else ``generation_config.json``,
         else pad (``docs/differences.md#d25``)."""
-        missing = [f for f in _DREAM_REQUIRED_FIELDS if f not in d]
-        if missing:
-            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
-        for key, want in _DREAM_REQUIRED_VALUES.items():
-            if key in d and d[key] is not None and d[key] != want:
-                raise ConfigError(f"{source}: unsupported {key}={d[key]!r} (this implementation needs {want!r})")
+        _check_fields(d, source, _DREAM_REQUIRED_FIELDS, _DREAM_REQUIRED_VALUES)
         if d.get("rope_scaling"):
             raise ConfigError(f"{source}: unsupported rope_scaling={d['rope_scaling']!r} (plain RoPE only)")
 

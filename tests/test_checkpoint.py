@@ -415,3 +415,20 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "model_type" in err and len(err.strip().splitlines()) == 1
     assert issubclass(ConfigError, PolestarError)
+
+
+@pytest.mark.parametrize("folder,drop,bad", [("llada_tiny_a", "d_model", ("activation_type", "gelu")),
+                                             ("dream_tiny_a", "hidden_size", ("hidden_act", "gelu"))])
+def test_config_dict_errors_name_the_field(folder, drop, bad):
+    """Both families' config readers refuse a missing field and an unsupported value in one line."""
+    import json
+
+    from polestar_jax.config import ModelConfig
+    from polestar_jax.errors import ConfigError
+
+    d = json.loads((Path(__file__).parent / "data" / folder / "config.json").read_text())
+    missing = {k: v for k, v in d.items() if k != drop}
+    with pytest.raises(ConfigError, match=f"^x: missing field\\(s\\) {drop}$"):
+        ModelConfig.from_dict(missing, "x")
+    with pytest.raises(ConfigError, match=f"^x: unsupported {bad[0]}='{bad[1]}'"):
+        ModelConfig.from_dict({**d, bad[0]: bad[1]}, "x")
