@@ -35,33 +35,40 @@ from polestar_jax.offload import fetch_rows, write_rows
 from polestar_jax.polestar_state import Geometry, rows_at
 from polestar_jax.state import DecodeState
 
-#: Low mantissa bits dropped from cluster scores before ranking: scores are compared at a relative
-#: precision of 2**-15 (~3e-5).
-SCORE_ROUND_BITS = 8
+#: Relative tolerance under which two cluster scores count as tied (~2.4e-4): far above the float32
+#: noise of a structural tie (identical rows: at most ~2e-5 relative across batch sizes, backends and
+#: mesh partitionings), far below the gaps of real drift differences.
+SCORE_TIE_RTOL = 2.0 ** -12
 
 
-def round_scores(scores: jax.Array, bits: int = SCORE_ROUND_BITS) -> jax.Array:
-    """float32 ``scores`` rounded to nearest with the ``bits`` lowest mantissa bits cleared (infinities kept).
+def tie_groups(scores: jax.Array, rtol: float = SCORE_TIE_RTOL) -> jax.Array:
+    """Tie group of each score [b, K] (int32; 0 = the highest group).
 
-    Clusters made of identical rows (e.g. all-[MASK] suffix rows at layer 0) have mathematically equal drift
-    scores, but float rounding makes them differ in the last bits, and *how* depends on the shapes XLA
-    blocks the matmuls for (batch size, backend): without this, a row's refresh choice -- and so its tokens
-    -- could change with the batch it is decoded in (docs/differences.md#d3). Within one rounding bucket the
-    lowest index wins, as for exact ties."""
+    The scores of a row are sorted in descending order and cut wherever two neighbours differ by more than
+    ``rtol`` times the larger magnitude; the runs between cuts are the groups (equal infinities are tied;
+    a finite score is never tied with an infinite one). Clusters made of identical rows (e.g. all-[MASK]
+    suffix rows at layer 0) have mathematically equal drift scores whose float rounding depends on how XLA
+    blocks the matmuls (batch size, backend, mesh); they always land in one group, wherever their values
+    lie, so a row's refresh choice -- and its tokens -- do not depend on how it is decoded
+    (docs/differences.md#d3)."""
     x = scores.astype(jnp.float32)
-    u = lax.bitcast_convert_type(x, jnp.uint32)
-    half, mask = jnp.uint32(1 << (bits - 1)), jnp.uint32((0xFFFFFFFF >> bits) << bits)
-    r = lax.bitcast_convert_type((u + half) & mask, jnp.float32)
-    return jnp.where(jnp.isfinite(x), r, x)
+    order = jnp.argsort(-x, axis=-1, stable=True)
+    xs = jnp.take_along_axis(x, order, axis=-1)  # [b, K] descending
+    hi, lo = xs[:, :-1], xs[:, 1:]
+    both_finite = jnp.isfinite(hi) & jnp.isfinite(lo)
+    close = (hi == lo) | (both_finite & (hi - lo <= rtol * jnp.maximum(jnp.abs(hi), jnp.abs(lo))))
+    cuts = jnp.concatenate([jnp.zeros_like(close[:, :1]), ~close], axis=-1)
+    group_sorted = jnp.cumsum(cuts.astype(jnp.int32), axis=-1)  # [b, K] along the sorted order
+    return jnp.take_along_axis(group_sorted, jnp.argsort(order, axis=-1), axis=-1)
 
 
-def top_clusters(scores: jax.Array, n_valid: jax.Array, m) -> jax.Array:
-    """The ``min(m, n_valid)`` highest scores [b, K] as a mask; scores are compared after
-    :func:`round_scores`, and ties go to the lowest index."""
+def top_clusters(scores: jax.Array, n_valid: jax.Array, m, rtol: float = SCORE_TIE_RTOL) -> jax.Array:
+    """The ``min(m, n_valid)`` highest scores [b, K] as a mask: clusters are ranked by :func:`tie_groups`
+    (with ``rtol``), and within a group the lowest index wins, as for exact ties."""
     k = scores.shape[-1]
     valid = jnp.arange(k)[None, :] < n_valid[:, None]
-    sc = jnp.where(valid, round_scores(scores), -jnp.inf)
-    rank = rank_desc(sc)
+    group = tie_groups(jnp.where(valid, scores, -jnp.inf), rtol)
+    rank = rank_desc(-(group * k + jnp.arange(k)[None, :]).astype(jnp.float32))
     return valid & (rank < jnp.minimum(m, n_valid)[:, None])
 
 
@@ -334,5 +341,5 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
                           logits_suf, sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved)
 
 
-__all__ = ["StepForwardOut", "step_forward", "round_scores", "top_clusters", "patch_packet", "select_clusters",
+__all__ = ["StepForwardOut", "step_forward", "tie_groups", "top_clusters", "patch_packet", "select_clusters",
            "fetch_selected", "refresh_rows", "plain_layer", "refresh_layer", "Carry", "LayerIn", "LayerStats"]

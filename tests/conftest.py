@@ -1,8 +1,9 @@
 """Shared fixtures: the tiny golden model (loaded once per session), its cases, float32 matmul precision.
 
-Speed: the suite compiles each decode shape once per process. Subprocess tests (the CLIs) would compile the
-same executables again, so the session uses a private, throw-away persistent compilation cache that the
-subprocesses share (see ``subprocess_env``); results are unaffected, only compile time is saved.
+Speed: the suite compiles each decode shape once per process. Subprocess tests (the CLIs) and the
+pytest-xdist workers (``-n 2``, one test file per worker: ``--dist loadfile``) would compile the same
+executables again, so the session uses a private, throw-away persistent compilation cache that they all
+share (see ``subprocess_env``); results are unaffected, only compile time is saved.
 """
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ import pytest
 # Golden comparisons are made in float32 with exact matmuls (set before anything compiles).
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# (The cache key includes the cache folder path, so subprocesses must get this same path.)
+# (The cache key includes the cache folder path, so subprocesses must get this same path.) The settings also
+# go into the environment, so the pytest-xdist workers, started after this runs in the controlling process,
+# share the cache: a program one worker compiled is read by the other.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _CACHE_DIR = tempfile.mkdtemp(prefix="polestar_jax_test_cc_")
     atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE_DIR, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -92,10 +97,8 @@ def golden_decode_config(case: dict):
 
 @pytest.fixture(scope="session")
 def tiny_a_generations(tiny_a, tiny_a_cases) -> dict:
-    """Case name -> :class:`GenerateResult` of every golden generate case, all at prompt slot 48 (21 executables).
-
-    Run once per session; it also fills the session's compile cache, so a later
-    ``python -m polestar_jax.crosscheck`` subprocess (same shapes) does not compile again."""
+    """Case name -> :class:`GenerateResult` of every golden generate case, all at prompt slot 48 (21 executables),
+    run once per session."""
     from polestar_jax.engine import generate
 
     cfg, params = tiny_a

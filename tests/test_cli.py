@@ -154,25 +154,44 @@ def test_generate_bad_input_subprocess(name, bad_folders, env):
 
 
 # -------------------------------------------------------------------------------------------- crosscheck
-def test_crosscheck_golden_folder(env, tiny_a_cases, tiny_a_generations):
-    """(``tiny_a_generations`` compiled the same shapes in-process first: the subprocess reuses them.)"""
-    n = len(tiny_a_cases["logits_cases"]) + len(tiny_a_cases["generate_cases"])
-    assert n == 123
-    r = _run(env, "polestar_jax.crosscheck", str(TINY_A_DIR.relative_to(REPO_ROOT)))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == f"{n} passed, 0 failed"
-
-
-def test_crosscheck_reports_an_altered_token(env, tiny_a_cases, tiny_a_generations, tmp_path):
-    """A copy with one generated token changed (in ``generated_ids``, ``output_ids`` and the trajectory) fails
-    exactly that case and names the forward that committed it. The copy keeps two cases of the 41-token prompt
-    (slot 48, the shapes the golden run compiled) to stay fast."""
-    folder = tmp_path / "altered"
+def _golden_copy(folder: Path, tiny_a_cases: dict, names: list[str], logits: int = 0) -> dict:
+    """A golden folder in ``folder`` holding the model, the first ``logits`` logits cases and the generate
+    cases named ``names`` (in that order); returns the cases.json content (the caller writes it)."""
     folder.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(TINY_A_DIR / name, folder / name)
+    for case in tiny_a_cases["logits_cases"][:logits]:
+        for key in ("file", "hidden_states_file"):
+            if case.get(key):
+                shutil.copy(TINY_A_DIR / case[key], folder / case[key])
+    by_name = {c["name"]: c for c in tiny_a_cases["generate_cases"]}
+    return dict(tiny_a_cases, logits_cases=tiny_a_cases["logits_cases"][:logits],
+                generate_cases=[json.loads(json.dumps(by_name[n])) for n in names])
+
+
+def test_crosscheck_golden_folder(env, tiny_a_cases, tmp_path):
+    """``python -m polestar_jax.crosscheck FOLDER`` on a copy with two logits cases and one generate case of
+    each reference function (the 41-token prompt): exit 0 and the summary line. (The whole folder, 123 cases,
+    is replayed in-process by tests/test_engine.py and through this command by .ci/run.)"""
+    assert len(tiny_a_cases["logits_cases"]) + len(tiny_a_cases["generate_cases"]) == 123
+    names = [f"{fn}/p2/g32_b8_s32/thr_{thr}" for fn, thr in (
+        ("llada.generate", "none"), ("fastdllm.generate", "0.9"), ("fastdllm.generate_with_prefix_cache", "0.9"),
+        ("fastdllm.generate_with_dual_cache", "0.9"))]
+    folder = tmp_path / "subset"
+    data = _golden_copy(folder, tiny_a_cases, names, logits=2)
+    (folder / "cases.json").write_text(json.dumps(data))
+    r = _run(env, "polestar_jax.crosscheck", str(folder))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "6 passed, 0 failed"
+
+
+def test_crosscheck_reports_an_altered_token(env, tiny_a_cases, tmp_path):
+    """A copy with one generated token changed (in ``generated_ids``, ``output_ids`` and the trajectory) fails
+    exactly that case and names the forward that committed it."""
+    folder = tmp_path / "altered"
     keep = ["fastdllm.generate/p2/g32_b8_s32/thr_0.9", "fastdllm.generate/p2/g32_b8_s32/thr_0.5"]
-    cases = [json.loads(json.dumps(c)) for c in tiny_a_cases["generate_cases"] if c["name"] in keep]
+    data = _golden_copy(folder, tiny_a_cases, keep)
+    cases = data["generate_cases"]
     assert [c["name"] for c in cases] == keep
     victim = cases[1]
     plen = len(victim["prompt_ids"])
@@ -182,7 +201,6 @@ def test_crosscheck_reports_an_altered_token(env, tiny_a_cases, tiny_a_generatio
     victim["trajectory"][forward][0] = [pos, new]
     victim["generated_ids"][pos - plen] = new
     victim["output_ids"][pos] = new
-    data = dict(tiny_a_cases, logits_cases=[], generate_cases=cases)
     (folder / "cases.json").write_text(json.dumps(data))
 
     r = _run(env, "polestar_jax.crosscheck", str(folder))

@@ -51,7 +51,7 @@ pytestmark = pytest.mark.usefixtures("offline_session_cache")
 
 
 @pytest.fixture(scope="module")
-def dream():
+def tiny_dream():
     return api.load(TINY_DREAM, compile_cache=False)
 
 
@@ -133,7 +133,7 @@ def test_convert_bf16_dream_round_trip_is_bit_exact(tmp_path, shards, capsys):
     assert {k: back_cfg.get(k) for k in src_cfg} == src_cfg  # every source field (bos id, ...) survives
 
 
-def test_converted_tiny_dream_generates_as_the_hf_folder(tmp_path, dream):
+def test_converted_tiny_dream_generates_as_the_hf_folder(tmp_path, tiny_dream):
     """The converter carries the tokenizer files over (vocab.json, merges.txt, ...); the text API on the
     converted folder decodes exactly what it decodes on the HF folder."""
     conv = tmp_path / "tiny_dream_orbax"
@@ -142,8 +142,8 @@ def test_converted_tiny_dream_generates_as_the_hf_folder(tmp_path, dream):
               "special_tokens_map.json"):
         assert (conv / f).read_bytes() == (Path(TINY_DREAM) / f).read_bytes(), f
     other = api.load(str(conv), compile_cache=False)
-    assert other.config == dream.config and other.tokenizer.chat_template == dream.tokenizer.chat_template
-    a = dream.generate(PROMPTS, gen_length=16, block_length=8)
+    assert other.config == tiny_dream.config and other.tokenizer.chat_template == tiny_dream.tokenizer.chat_template
+    a = tiny_dream.generate(PROMPTS, gen_length=16, block_length=8)
     b = other.generate(PROMPTS, gen_length=16, block_length=8)
     assert [r.token_ids for r in a] == [r.token_ids for r in b] and a.texts == b.texts
 
@@ -169,7 +169,7 @@ def test_generate_cli_takes_dream_polestar_defaults():
 
 
 @pytest.mark.parametrize("name", list(DECODERS))
-def test_generate_cli_batched_every_decoder(name, dream, capsys, monkeypatch):
+def test_generate_cli_batched_every_decoder(name, tiny_dream, capsys, monkeypatch):
     """``python -m polestar_jax.generate --model tiny_dream`` (in-process main) with two prompts: exit 0, each
     row's ids are the API's, the response is cut at EOS / <|im_end|>; the engine got Dream's Polestar config."""
     knobs, flags = DECODERS[name]
@@ -179,18 +179,18 @@ def test_generate_cli_batched_every_decoder(name, dream, capsys, monkeypatch):
     argv = ["--model", TINY_DREAM, *sum((["--prompt", p] for p in PROMPTS), []), *GEN, *flags, "--json"]
     assert gen_cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    ref = dream.generate(PROMPTS, gen_length=16, block_length=8, **knobs)
+    ref = tiny_dream.generate(PROMPTS, gen_length=16, block_length=8, **knobs)
     assert seen[0] == ref.decode
     if name == "polestar":
         assert seen[0].polestar == FAMILIES["dream"].polestar_config()
         assert len(out["refresh_steps"]) == 2
     assert out["token_ids"] == [r.token_ids for r in ref] and out["text"] == ref.texts
     assert out["nfe"] == [r.nfe for r in ref]
-    stops = {dream.config.eos_token_id, dream.tokenizer.token_to_id("<|im_end|>")}
+    stops = {tiny_dream.config.eos_token_id, tiny_dream.tokenizer.token_to_id("<|im_end|>")}
     for r in ref:
         assert len(r.token_ids) == 16 and not stops & set(r.response_ids)
         assert r.token_ids[:len(r.response_ids)] == r.response_ids
-        assert r.text == dream.tokenizer.decode(r.response_ids)
+        assert r.text == tiny_dream.tokenizer.decode(r.response_ids)
         if name == "llada":
             assert r.nfe == 16  # steps = gen length: one token per forward
 
@@ -209,7 +209,7 @@ def test_generate_cli_subprocess(subprocess_env):
 
 # ------------------------------------------------------------------------------------------- eval
 
-def test_eval_local_task_on_tiny_dream(dream, tmp_path, capsys):
+def test_eval_local_task_on_tiny_dream(tiny_dream, tmp_path, capsys):
     """``python -m polestar_jax.eval --model tiny_dream`` on the local task (2 documents, one batch): results
     and samples written, lm-eval's chat prompts are our template's, each response is the API's for the same
     ids and row, and the decoder recorded is Dream's Polestar."""
@@ -229,18 +229,18 @@ def test_eval_local_task_on_tiny_dream(dream, tmp_path, capsys):
     assert results["polestar_jax"]["decoder"]["polestar"] == json.loads(json.dumps(
         dataclasses.asdict(FAMILIES["dream"].polestar_config())))
     assert last["polestar_jax"]["total"]["requests"] == 2
-    dcfg = dream.decode_config(gen_length=16, block_length=8)
-    ids = [dream.tokenizer.chat_prompt_ids(p) for p in PROMPTS]
+    dcfg = tiny_dream.decode_config(gen_length=16, block_length=8)
+    ids = [tiny_dream.tokenizer.chat_prompt_ids(p) for p in PROMPTS]
     slot = 16 * math.ceil(max(map(len, ids)) / 16)
     assert {16 * math.ceil(len(i) / 16) for i in ids} == {slot}  # one request group: one batch of 2
-    ref = dream.generate_ids(ids, dcfg, rows=[0, 1], prompt_slot=slot)
+    ref = tiny_dream.generate_ids(ids, dcfg, rows=[0, 1], prompt_slot=slot)
     for s, r in zip(samples, ref):
         assert s["resps"][0][0] == r.text
         assert [rec["nfe"] for rec in s["polestar_jax"]] == [r.nfe]
         assert s["polestar_jax"][0]["prompt_tokens"] == len(ids[s["doc_id"]])
 
 
-def test_lm_eval_loglikelihood_uses_dream_logits(dream):
+def test_lm_eval_loglikelihood_uses_dream_logits(tiny_dream):
     """A one-token continuation: every Monte-Carlo copy masks it, so the estimate is exactly log p(token) at
     that position under Dream's forward with its logit shift (row p-1 predicts p), computed here from the
     crosscheck's raw family logits."""
@@ -250,15 +250,15 @@ def test_lm_eval_loglikelihood_uses_dream_logits(dream):
     from polestar_jax import crosscheck
     from polestar_jax.lm_eval_model import PolestarLM
 
-    lm = PolestarLM(model_obj=dream, mc_num=2, mc_batch=2, progress=False)
-    ctx = dream.tokenizer.apply_chat_template([{"role": "user", "content": "Name a letter."}]) + "The letter is"
+    lm = PolestarLM(model_obj=tiny_dream, mc_num=2, mc_batch=2, progress=False)
+    ctx = tiny_dream.tokenizer.apply_chat_template([{"role": "user", "content": "Name a letter."}]) + "The letter is"
     prefix, target = lm._encode_pair(ctx, " a")
-    assert len(target) == 1 and prefix == dream.tokenizer.encode(ctx)
+    assert len(target) == 1 and prefix == tiny_dream.tokenizer.encode(ctx)
     (ll, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, (ctx, " a"), 0, metadata=("ll", 0, 1))])
     n = len(prefix) + 1
-    ids = np.full((1, 16 * math.ceil(n / 16)), dream.config.pad_token_id, np.int32)
-    ids[0, :n] = prefix + [dream.config.mask_token_id]
-    raw, _ = crosscheck.family_logits(dream.params, jax.numpy.asarray(ids[:, :n]), dream.config)
+    ids = np.full((1, 16 * math.ceil(n / 16)), tiny_dream.config.pad_token_id, np.int32)
+    ids[0, :n] = prefix + [tiny_dream.config.mask_token_id]
+    raw, _ = crosscheck.family_logits(tiny_dream.params, jax.numpy.asarray(ids[:, :n]), tiny_dream.config)
     row = np.asarray(raw[0, n - 2], np.float64)  # shifted: position n-1 is predicted by row n-2
     want = row[target[0]] - (np.log(np.sum(np.exp(row - row.max()))) + row.max())
     assert ll == pytest.approx(want, abs=2e-5) and greedy is False

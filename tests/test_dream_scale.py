@@ -189,37 +189,17 @@ for spec in MESHES:
                              ((c, CC._check_dream_polestar_case(c, res, i)) for i, c in enumerate(gold))
                              if r.status != "pass"]
 
-# 4. Polestar with its own draws: the block start and the first (refreshing) decode step on each mesh against
-# one device -- discrete state equal, float state equal to rounding
-import jax.numpy as jnp
-from polestar_jax import polestar as PS
-from polestar_jax.block import EngineSpec, Knobs, context
+# 4. Polestar with its own draws (k-means and selections computed): whole generations on each mesh against
+# one device -- tokens, commit steps, NFE and the Polestar counters equal
 dcp = DecodeConfig(decoder="polestar", polestar=FAMILIES["dream"].polestar_config(refresh_buckets=1), **common)
-spec_p, knobs, pol = EngineSpec.from_config(cfg, dcp), Knobs.from_config(dcp), PS.POLICIES["polestar"]
-
-def start_and_step(p, s):
-    ctx = context(p, s, jnp.int32(0), knobs, None, spec_p)
-    s = pol.start(ctx, s)
-    return pol.step(ctx, s, jnp.int32(0), pol.active(ctx, s, jnp.int32(0)))
-
-f = jax.jit(start_and_step)
-s1, st1 = f(params, init_decode_state(cfg, dcp, prompts, 48, seed=7, rows=[1, 2]))
-out["own/refreshed"] = bool(np.asarray(st1.cluster).all())
+own = generate(params, cfg, prompts, dcp, seed=7, rows=[1, 2], prompt_slot=48)
+out["own/refreshed"] = int(own.polestar["refresh_steps"].sum())
 for spec in MESHES:
-    mesh = sharding.make_mesh(spec)
-    s2, st2 = f(sharding.shard(params, sharding.param_shardings(params, mesh, cfg)),
-                init_decode_state(cfg, dcp, prompts, 48, seed=7, rows=[1, 2], mesh=mesh))
-    worst, discrete = 0.0, True
-    for x, y in zip(jax.tree.leaves((s1, st1)), jax.tree.leaves((s2, st2))):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.dtype.kind == "f":
-            ok = np.isfinite(x) & np.isfinite(y)
-            discrete &= bool((ok == (np.isfinite(x) | np.isfinite(y))).all())
-            scale = max(float(np.abs(np.where(ok, x, 0)).max()), 1e-30)
-            worst = max(worst, float(np.abs(np.where(ok, x - y, 0)).max()) / scale)
-        else:
-            discrete &= bool((x == y).all())
-    out["own/" + spec] = {"discrete_equal": discrete, "max_rel_diff": worst}
+    res = generate(params, cfg, prompts, dcp, seed=7, rows=[1, 2], prompt_slot=48, mesh=sharding.make_mesh(spec))
+    out["own/" + spec] = {"tokens": bool((own.tokens == res.tokens).all()), "nfe": bool((own.nfe == res.nfe).all()),
+                          "commit_step": bool((own.commit_step == res.commit_step).all()),
+                          "counters": {k: bool((np.asarray(v) == np.asarray(res.polestar[k])).all())
+                                       for k, v in own.polestar.items()}}
 print("RESULT " + json.dumps(out))
 """
 
@@ -232,14 +212,11 @@ def test_mesh_gqa_sharding_and_tokens_on_8_devices():
     rest is replicated, so no device ever holds part of a head; the MLP and the vocabulary split wherever
     they divide; Dream's head-averaged proxy attention (one "head") is never split. On ``data=2,model=4``
     (KV heads 2 < 4: replicated, query heads split) and ``data=2,model=2`` (both split): Dream's dual-cache
-    sampler gives the tokens, commit steps and NFE of one device; Polestar with the official decisions injected replays the
-    three g64 golden cases exactly (batched); Polestar with its own draws computes the block start and the
-    first refreshing step of one device (k-means labels, selections, commits equal; floats to rounding).
-
-    (Whole Polestar generations with its own draws are not asserted token-identical across partitionings:
-    on ``model=2`` one structural tie -- four clusters of identical rows, scores equal to 2e-5 relative --
-    straddles a bucket edge of ``polestar_step.round_scores`` and one row diverges from its second decode
-    step on; the same mechanism as batch-size blocking, docs/differences.md#d3.)"""
+    sampler gives the tokens, commit steps and NFE of one device; Polestar with the official decisions injected
+    replays the three g64 golden cases exactly (batched); Polestar with its own draws gives the tokens, commit
+    steps, NFE and counters of one device. (On ``model=2`` its clusters of identical rows score within 2e-5 of
+    each other, split differently from one device: the tie rule of ``polestar_step.tie_groups`` keeps them
+    tied, docs/differences.md#d3.)"""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(DREAM_DIR), str(DREAM_7B)], capture_output=True,
                           text=True, env=env, cwd=str(ROOT), timeout=1500)
@@ -269,8 +246,8 @@ def test_mesh_gqa_sharding_and_tokens_on_8_devices():
     for spec in ("data=2,model=4", "data=2,model=2"):
         assert out[f"golden/{spec}"] == [], spec
         own = out[f"own/{spec}"]
-        assert own["discrete_equal"] and own["max_rel_diff"] < 1e-5, (spec, own)
-    assert out["own/refreshed"]  # the compared step refreshed (every batch row)
+        assert own["tokens"] and own["nfe"] and own["commit_step"] and all(own["counters"].values()), (spec, own)
+    assert out["own/refreshed"] > 0  # the generations refreshed
 
 
 # ---------------------------------------------------------------------------------- memory planning

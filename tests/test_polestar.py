@@ -150,21 +150,36 @@ def test_interpret_kernels_match_reference_on_bundled_model():
 
 
 def test_cluster_ranking_ignores_rounding_noise():
-    """Scores that differ only by float rounding (clusters of identical rows, spec J14) rank as ties, so the
-    lowest index wins whatever the noise; real differences keep their order; invalid slots never win."""
-    from polestar_jax.polestar_step import round_scores, top_clusters
+    """Scores that differ only by float rounding (clusters of identical rows, docs/differences.md#d3) rank
+    as ties wherever their values lie, so the lowest index wins whatever the noise; real differences keep
+    their order; invalid slots never win."""
+    from polestar_jax import polestar_step
+
+    SCORE_TIE_RTOL = polestar_step.SCORE_TIE_RTOL
+    tie_groups = jax.jit(polestar_step.tie_groups)  # one compile per shape (eager ops compile one by one)
+    top_clusters = jax.jit(polestar_step.top_clusters, static_argnums=2)
 
     base = np.float32(0.026051471)
     noisy = np.array([base * (1 - 3e-7), base, base * (1 + 2e-7)], np.float32)
-    r = np.asarray(round_scores(jnp.asarray(noisy)))
-    assert r[0] == r[1] == r[2]
-    x = np.array([1.0, 1.0001, 0.5, -np.inf, np.inf, 3e-30], np.float32)
-    rx = np.asarray(round_scores(jnp.asarray(x)))
-    assert rx[1] > rx[0] > rx[2] and rx[3] == -np.inf and rx[4] == np.inf and rx[5] > 0
-    assert (np.abs(rx[np.isfinite(x)] - x[np.isfinite(x)]) <= np.abs(x[np.isfinite(x)]) * 2.0 ** -15).all()
+    # a structural tie at mesh-level noise (2e-5 relative), placed on every offset of a 2**-15 grid: it is
+    # one group wherever it lies (a rounding-bucket rule splits some of these)
+    c = (0.5 * (1 + np.linspace(0.0, 2.0 ** -15, 9)))[:, None]  # one row per offset
+    tie = (c * np.array([[1 - 1e-5, 1.0, 1 + 1e-5, 0.9]])).astype(np.float32)
+    assert np.asarray(tie_groups(jnp.asarray(tie))).tolist() == [[0, 0, 0, 1]] * 9
+    # groups: descending, cut where neighbours differ by more than the tolerance; infinities apart
+    x = np.array([[1.0, 1.0 + 4 * SCORE_TIE_RTOL, 0.5, -np.inf, np.inf, 3e-30, -np.inf]], np.float32)
+    assert np.asarray(tie_groups(jnp.asarray(x)))[0].tolist() == [2, 1, 3, 5, 0, 4, 5]
+    # a chain of neighbours each within the tolerance is one group (the order inside it is by index)
+    step = np.float32(1 - 0.6 * SCORE_TIE_RTOL)
+    chain = np.array([[step ** 3, step ** 2, step, 1.0, 0.5]], np.float32)
+    assert np.asarray(tie_groups(jnp.asarray(chain)))[0].tolist() == [0, 0, 0, 0, 1]
     # two rows: the same near-tied scores in a different rounding order pick the same clusters
     s = jnp.asarray([[5.0, noisy[0], noisy[1], noisy[2], 0.001], [5.0, noisy[2], noisy[0], noisy[1], 0.001]])
     sel = np.asarray(top_clusters(s, jnp.asarray([5, 5]), 3))
     assert sel[0].tolist() == sel[1].tolist() == [True, True, True, False, False]
     sel = np.asarray(top_clusters(s, jnp.asarray([2, 5]), 3))  # row 0 has 2 valid slots
     assert sel[0].tolist() == [True, True, False, False, False]
+    # a real difference above the tolerance keeps its order: the later, larger score wins
+    s = jnp.asarray([[1.0, 1.0 + 8 * SCORE_TIE_RTOL, 0.1]], jnp.float32)
+    assert np.asarray(top_clusters(s, jnp.asarray([3]), 1))[0].tolist() == [False, True, False]
+

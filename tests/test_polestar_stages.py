@@ -457,14 +457,15 @@ def _np_top(scores, n_valid, m):
 
 
 def test_top_clusters_ties_and_invalid_slots():
+    top = jax.jit(PSS.top_clusters, static_argnums=2)  # one compile per shape
     sc = jnp.asarray([[5, 3, 3, 3, 3, 1, 0, 0],      # tie across the cut -> lowest indices
                       [1, 3, 3, 3, 2, 3, 0, 0],      # four-way tie, all taken
                       [1, 2, 3, 4, 5, 9, 9, 9],      # invalid slots hold the highest scores
                       [2, 2, 2, 2, 2, 2, 2, 2]], jnp.float32)
     n_valid = jnp.asarray([6, 6, 5, 2], jnp.int32)
-    got = np.asarray(PSS.top_clusters(sc, n_valid, 4))
+    got = np.asarray(top(sc, n_valid, 4))
     assert [np.nonzero(r)[0].tolist() for r in got] == [[0, 1, 2, 3], [1, 2, 3, 5], [1, 2, 3, 4], [0, 1]]
-    got1 = np.asarray(PSS.top_clusters(sc, n_valid, 1))
+    got1 = np.asarray(top(sc, n_valid, 1))
     assert [np.nonzero(r)[0].tolist() for r in got1] == [[0], [1], [4], [0]]
     # random integer scores (many exact ties), random valid counts, m = 4 and 1
     rng = np.random.default_rng(3)
@@ -472,7 +473,7 @@ def test_top_clusters_ties_and_invalid_slots():
     s[rng.random(s.shape) < 0.05] = -np.inf
     nv = rng.integers(0, 9, size=(64,)).astype(np.int32)
     for m in (4, 1):
-        got = np.asarray(PSS.top_clusters(jnp.asarray(s), jnp.asarray(nv), m))
+        got = np.asarray(top(jnp.asarray(s), jnp.asarray(nv), m))
         np.testing.assert_array_equal(got, _np_top(s, nv, m))
         assert not np.any(got & (np.arange(8)[None] >= nv[:, None]))
 
