@@ -127,3 +127,14 @@ def offline_session_cache(monkeypatch):
     min_time = jax.config.jax_persistent_cache_min_compile_time_secs
     yield
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)  # enable_compile_cache sets 0.5
+
+
+#: The test files that take longest (mesh and multi-process subprocesses, the golden Polestar replays), in
+#: this order before all others, so that on pytest-xdist workers (``--dist loadfile``, files handed out in
+#: collection order: ``--no-loadscope-reorder`` in pyproject.toml) they start first and short files fill the end.
+LONG_FILES = ("test_dream_scale.py", "test_scale.py", "test_multihost.py", "test_polestar.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
