@@ -144,6 +144,19 @@ def make_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     return w
 
 
+def _save_weights(out_dir: str, weights: dict) -> int:
+    """Writes ``weights`` (name -> numpy array) to ``out_dir/model.safetensors``; returns the parameter count."""
+    path = os.path.join(out_dir, "model.safetensors")
+    save_file(weights, path, metadata={"format": "pt"})
+    os.chmod(path, 0o644)  # safetensors creates the file owner-only
+    return sum(int(a.size) for a in weights.values())
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
@@ -211,13 +224,8 @@ def build(out_dir: str, seed: int = 0) -> ModelConfig:
     _write_json(os.path.join(out_dir, "generation_config.json"), {
         "bos_token_id": tok.token_to_id(BOS_TOKEN), "eos_token_id": eos_id, "pad_token_id": eos_id})
 
-    weights = make_weights(cfg, seed)
-    weights_path = os.path.join(out_dir, "model.safetensors")
-    save_file(weights, weights_path, metadata={"format": "pt"})
-    os.chmod(weights_path, 0o644)  # safetensors creates the file owner-only
-    n_params = sum(int(a.size) for a in weights.values())
-    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
-        f.write(_readme(cfg, seed, n_params))
+    n_params = _save_weights(out_dir, make_weights(cfg, seed))
+    _write_text(os.path.join(out_dir, "README.md"), _readme(cfg, seed, n_params))
     return cfg
 
 
@@ -402,13 +410,8 @@ def build_dream(out_dir: str, seed: int = 0) -> ModelConfig:
         "_from_model_config": True, "alg": "origin", "alg_temp": None, "bos_token_id": eos, "eos_token_id": eos,
         "eps": 0.001, "mask_token_id": None, "output_history": False, "pad_token_id": eos, "steps": 512,
         "temperature": 0.0, "top_k": None, "top_p": None})
-    weights = make_dream_weights(cfg, seed)
-    weights_path = os.path.join(out_dir, "model.safetensors")
-    save_file(weights, weights_path, metadata={"format": "pt"})
-    os.chmod(weights_path, 0o644)  # safetensors creates the file owner-only
-    n_params = sum(int(a.size) for a in weights.values())
-    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
-        f.write(_dream_readme(cfg, tok, seed, n_params))
+    n_params = _save_weights(out_dir, make_dream_weights(cfg, seed))
+    _write_text(os.path.join(out_dir, "README.md"), _dream_readme(cfg, tok, seed, n_params))
     return cfg
 
 
