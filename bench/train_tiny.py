@@ -5,6 +5,16 @@ the generation length ``G``; the EOS padding is part of the answer) is replaced 
 probability ``t``; the prompt is never masked. The loss is the cross-entropy on the masked answer tokens
 weighted by ``1/t``, summed and divided by the number of answer tokens ``G``, averaged over the batch.
 
+Block-structured rows (``block_mask_prob``, issue #13): every decoder here writes an answer block by block, so
+at inference the answer is clean before the current block, partly masked inside it and wholly masked after
+it. Independent masks almost never look like that on long answers, and a model trained on them alone can be
+right on nearly every token from a fully masked answer and still fall apart once a clean prefix is revealed
+(``tiny_long`` run 3, ``bench/probe_prefix.py``: 99.6% of ``long_copy`` tokens from the all-masked answer,
+35% of the rest once its first block holds the right tokens). With probability ``block_mask_prob`` a row instead draws a block start
+``c = j * block_length`` (``j`` uniform over the blocks): positions before ``c`` are clean, those of block
+``j`` masked with probability ``t``, all later ones masked; its loss is the mean cross-entropy over its
+masked tokens (the same scale as the ``1/t``-weighted sum of an independent row).
+
 Row layout (prompt LEFT-aligned): ``[chat prompt ids][answer ids + EOS * (G - len)][pad]``; the pad is hidden
 from attention with ``key_valid``; RoPE positions are ``0..`` per row. This is what
 :func:`polestar_jax.engine.generate` sees at inference (it left-pads prompts but starts every row's
@@ -45,7 +55,7 @@ import shlex
 import sys
 import time
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +74,8 @@ from polestar_jax.tokenizer import Tokenizer, asset_model_dir, load_tokenizer  #
 #: The bundled folder whose byte-level tokenizer and chat template the tiny model uses.
 TOKENIZER_SOURCE = "tiny_random"
 
-__all__ = ["TrainConfig", "model_config", "make_batch", "make_optimizer", "make_train_step", "train",
-           "evaluate", "export", "main"]
+__all__ = ["TrainConfig", "AnswerMask", "answer_mask", "model_config", "make_batch", "make_optimizer",
+           "make_train_step", "train", "evaluate", "export", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +105,8 @@ class TrainConfig:
     b2: float = 0.98
     clip: float = 1.0
     eps: float = 1e-3  # t ~ U(eps, 1)
+    # share of rows with a block-structured mask (clean blocks, the current block at rate t, masked blocks)
+    block_mask_prob: float = 0.0
     # data
     tasks: tuple[str, ...] = T.TASK_NAMES
     task_weights: Optional[tuple[float, ...]] = None  # None: uniform
@@ -106,6 +118,12 @@ class TrainConfig:
     # the named setting this run started from (:data:`PRESETS`); checkpoints saved before it existed are
     # tiny_tasks runs
     preset: str = "tiny_tasks"
+
+    def __post_init__(self):
+        if not 0.0 <= self.block_mask_prob <= 1.0:
+            raise ValueError(f"block_mask_prob must lie in [0, 1], got {self.block_mask_prob}")
+        if self.block_length <= 0 or self.gen_length % self.block_length:
+            raise ValueError(f"gen_length {self.gen_length} must be a multiple of block_length {self.block_length}")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -132,7 +150,8 @@ class TrainConfig:
 #: the same formats on 7-14 names (``mid_*``, weight 0.5) and ``tiny_tasks``' six list tasks (3-6 names,
 #: weight 0.25); it is evaluated on the long tasks only. Trained from random weights on the long tasks alone,
 #: a first run sat at the loss of guessing names from the pool (no copying) from step 900 to 1800, and so did
-#: a warm start without the medium lists.
+#: a warm start without the medium lists. Half of its rows are block-structured (``block_mask_prob``, see the
+#: module docstring): run 3, trained on independent masks alone, solved no long answer by step 4,100.
 _LIST_TASKS = ("copy", "reverse", "sort", "insert", "remove", "replace")
 PRESETS: dict[str, dict] = {
     "tiny_tasks": {},
@@ -141,7 +160,7 @@ PRESETS: dict[str, dict] = {
                                     + (0.25,) * len(_LIST_TASKS)),
                       eval_tasks=T.LONG_TASK_NAMES, init_from="tiny_tasks", steps=6000, batch=16,
                       gen_length=128, block_length=32, prompt_slot=140, max_sequence_length=384, lr=5e-4,
-                      warmup=100),
+                      warmup=100, block_mask_prob=0.5),
 }
 
 
@@ -151,7 +170,10 @@ def preset_config(name: str, **overrides) -> TrainConfig:
         raise SystemExit(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     fields = dict(PRESETS[name])
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    return TrainConfig(**fields)
+    try:
+        return TrainConfig(**fields)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def model_config(tc: TrainConfig, tok: Tokenizer) -> ModelConfig:
@@ -262,13 +284,41 @@ def init_state(tc: TrainConfig, mcfg: ModelConfig) -> dict:
     return {"params": params, "opt_state": opt_state, "step": jnp.int32(0)}
 
 
-def loss_fn(params, batch: dict, key: jax.Array, mcfg: ModelConfig, G: int, eps: float):
+class AnswerMask(NamedTuple):
+    """The noise of one batch: which answer tokens are masked and how each row's loss is normalised."""
+
+    masked: jax.Array  # [b, G] bool
+    t: jax.Array  # [b] masking rate of the row (of its current block in a block-structured row)
+    structured: jax.Array  # [b] bool: block-structured row (mean over masked tokens) vs independent (1/t)
+
+
+def answer_mask(key: jax.Array, b: int, G: int, eps: float, block_length: int, block_mask_prob: float) -> AnswerMask:
+    """Draws the masks of ``b`` answers of length ``G`` (see the module docstring). With
+    ``block_mask_prob == 0`` the draws are those of independent masking alone (runs before the option existed
+    replay unchanged)."""
+    k_t, k_m = jax.random.split(key)
+    t = (1.0 - eps) * jax.random.uniform(k_t, (b,)) + eps  # [b]
+    u = jax.random.uniform(k_m, (b, G))  # [b, G]
+    masked = u < t[:, None]
+    structured = jnp.zeros((b,), bool)
+    if block_mask_prob > 0.0:
+        k_s, k_j = jax.random.split(jax.random.fold_in(key, 0xB10C))
+        structured = jax.random.uniform(k_s, (b,)) < block_mask_prob
+        c = block_length * jax.random.randint(k_j, (b, 1), 0, G // block_length)  # [b, 1] block start
+        p = jnp.arange(G, dtype=jnp.int32)[None]
+        in_block = (p >= c) & (p < c + block_length)
+        blocky = (p >= c + block_length) | (in_block & masked)
+        masked = jnp.where(structured[:, None], blocky, masked)
+    return AnswerMask(masked, t, structured)
+
+
+def loss_fn(params, batch: dict, key: jax.Array, mcfg: ModelConfig, tc: "TrainConfig"):
     """LLaDA SFT loss (scalar) and the per-row loss [b]."""
     ids, valid, start = batch["ids"], batch["valid"], batch["start"]
     b, L = ids.shape
-    k_t, k_m = jax.random.split(key)
-    t = (1.0 - eps) * jax.random.uniform(k_t, (b,)) + eps  # [b]
-    masked = jax.random.uniform(k_m, (b, G)) < t[:, None]  # [b, G] over the answer region
+    G = tc.gen_length
+    noise = answer_mask(key, b, G, tc.eps, tc.block_length, tc.block_mask_prob)
+    masked, t = noise.masked, noise.t
     ans_idx = start[:, None] + jnp.arange(G, dtype=jnp.int32)[None]  # [b, G]
     answer = jnp.take_along_axis(ids, ans_idx, axis=1)
     rows = jnp.arange(b)[:, None]
@@ -279,7 +329,9 @@ def loss_fn(params, batch: dict, key: jax.Array, mcfg: ModelConfig, G: int, eps:
     logits = M.lm_head(params, h_ans, mcfg)  # [b, G, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
     ce = -jnp.take_along_axis(logp, answer[..., None], axis=-1)[..., 0]  # [b, G]
-    row = jnp.sum(jnp.where(masked, ce, 0.0), axis=1) / t / G  # [b]
+    total = jnp.sum(jnp.where(masked, ce, 0.0), axis=1)  # [b]
+    n_masked = jnp.maximum(jnp.sum(masked, axis=1), 1)
+    row = jnp.where(noise.structured, total / n_masked, total / t / G)  # [b]
     return jnp.mean(row), row
 
 
@@ -292,7 +344,7 @@ def make_train_step(tc: TrainConfig, mcfg: ModelConfig):
     def step(state, batch):
         key = jax.random.fold_in(jax.random.fold_in(base_key, 1), state["step"])
         (loss, row), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], batch, key, mcfg, tc.gen_length, tc.eps)
+            state["params"], batch, key, mcfg, tc)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
@@ -391,22 +443,25 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
     tok = load_tokenizer(asset_model_dir(TOKENIZER_SOURCE))
     mcfg = model_config(tc, tok)
     mngr = _ckpt_manager(out)
-    state = init_state(tc, mcfg)
     if mngr.latest_step() is not None:
         if not resume:
             raise SystemExit(f"{out} already holds a checkpoint (step {mngr.latest_step()}); pass --resume "
                              f"to continue it or choose another --out")
-        state, meta = restore(mngr, state)
+        # the restore target: random weights of the same shapes (init_from only defines step 0, which the
+        # checkpoint holds, so its folder need not exist any more)
+        state, meta = restore(mngr, init_state(dataclasses.replace(tc, init_from=None), mcfg))
         # as fresh (uncommitted) arrays, so the compiled step of a fresh start is reused
         state = jax.tree.map(jnp.asarray, jax.device_get(state))
         saved = TrainConfig.from_json(meta["train_config"])
-        if dataclasses.replace(saved, steps=tc.steps) != tc:
+        if dataclasses.replace(saved, steps=tc.steps, init_from=tc.init_from) != tc:
             diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
-                    if k != "steps" and v != getattr(tc, k)}
+                    if k not in ("steps", "init_from") and v != getattr(tc, k)}
             raise SystemExit(f"--resume: the configuration differs from the checkpoint's: {diff}")
+        tc = dataclasses.replace(tc, init_from=saved.init_from)
         rng = _rng_from_json(meta["rng_state"])
         meta["train_config"] = tc.to_json()
     else:
+        state = init_state(tc, mcfg)
         rng = T.train_rng(tc.seed)
         meta = {"train_config": tc.to_json(), "train_seconds": 0.0, "history": [], "evals": [], "commands": []}
     meta["commands"].append(command or "")
@@ -573,6 +628,7 @@ trained {'from scratch' if tc.init_from is None else f'from the weights of `{tc.
 * Training: {step} steps of batch {tc.batch}, AdamW (peak lr {tc.lr}, warmup {tc.warmup}, cosine to
   {tc.lr * tc.end_lr_ratio:g}, weight decay {tc.weight_decay}, clip {tc.clip}), seed {tc.seed},
   tasks {', '.join(tc.tasks)} mixed {'uniformly' if tc.task_weights is None else f'with weights {list(tc.task_weights)}'};
+  {'independent masks only' if tc.block_mask_prob == 0 else f'{tc.block_mask_prob:g} of the rows with block-structured masks (clean blocks, the current block at rate t, masked blocks: the states a block decoder meets)'};
   {meta.get('train_seconds', 0) / 60:.0f} minutes of training on a {os.cpu_count()}-core CPU; final training loss
   {last.get('loss', float('nan')):.4f}.
 
@@ -629,6 +685,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--end-lr-ratio", type=float, default=None)
+    ap.add_argument("--block-mask-prob", type=float, default=None,
+                    help=f"share of block-structured masks (default {TrainConfig.block_mask_prob}, tiny_long "
+                         f"{PRESETS['tiny_long']['block_mask_prob']})")
     ap.add_argument("--gen-length", type=int, default=None)
     ap.add_argument("--block-length", type=int, default=None)
     ap.add_argument("--prompt-slot", type=int, default=None)
@@ -655,6 +714,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
              + " ".join(f"{k}={v:.3f}" for k, v in acc.items()))
         return
 
+    if args.resume and args.init_from is not None and _saved_preset(args.out) is not None:
+        raise SystemExit("--init-from only chooses the weights a run starts from; --resume continues the "
+                         f"checkpoint in {args.out} (its starting weights are part of it)")
     preset = args.preset
     if preset is None:
         preset = (_saved_preset(args.out) if args.resume else None) or "tiny_tasks"
@@ -672,11 +734,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     tc = preset_config(preset, seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr,
                        warmup=args.warmup, end_lr_ratio=args.end_lr_ratio, gen_length=args.gen_length,
                        block_length=args.block_length, prompt_slot=args.prompt_slot, task_weights=weights,
-                       init_from=args.init_from)
+                       init_from=args.init_from, block_mask_prob=args.block_mask_prob)
     command = "python -m bench.train_tiny " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res = train(tc, args.out, resume=args.resume, max_minutes=args.max_minutes, save_every=args.save_every,
                 eval_every=args.eval_every, eval_n=args.eval_n, log_every=args.log_every, command=command)
     if args.export:
+        tc = TrainConfig.from_json(res["meta"]["train_config"])  # a resumed run's own init_from
         if int(res["state"]["step"]) < tc.steps:
             _log(f"note: exporting at step {int(res['state']['step'])} < --steps {tc.steps}")
         acc = export(res, tc, args.export, args.export_eval_n)

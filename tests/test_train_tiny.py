@@ -101,3 +101,60 @@ def test_init_from_starts_at_those_weights_and_eval_tasks_pick_the_evaluation(tm
     with pytest.raises(SystemExit, match="shapes differ"):
         TT.init_state(wide, TT.model_config(wide, tok))
     assert set(TT.evaluate(got, mcfg, tok, 1, tc)) == {"copy", "remove"}
+
+
+def test_answer_mask_block_structure():
+    """Block-structured rows: clean blocks, then the current block masked where the independent draw masks it,
+    then masked blocks; ``block_mask_prob=0`` is independent masking alone (old runs replay unchanged)."""
+    key, b, G, B = jax.random.PRNGKey(5), 256, 32, 8
+    iid = TT.answer_mask(key, b, G, 1e-3, B, 0.0)
+    assert not np.asarray(iid.structured).any()
+    mixed = TT.answer_mask(key, b, G, 1e-3, B, 0.5)
+    np.testing.assert_array_equal(np.asarray(mixed.t), np.asarray(iid.t))
+    s = np.asarray(mixed.structured)
+    assert 0.35 < s.mean() < 0.65
+    m, m0 = np.asarray(mixed.masked), np.asarray(iid.masked)
+    np.testing.assert_array_equal(m[~s], m0[~s])
+    starts = set()
+    for r in np.flatnonzero(s):
+        # the block start c is the first position of the first fully-masked tail that follows a clean prefix
+        cands = [c for c in range(0, G, B) if not m[r, :c].any() and m[r, c + B:].all()
+                 and (m[r, c:c + B] == m0[r, c:c + B]).all()]
+        assert cands, (r, m[r].astype(int))
+        starts.update(cands)
+    assert starts == set(range(0, G, B))  # every block start is drawn
+
+
+def test_train_config_validates():
+    with pytest.raises(ValueError, match="block_mask_prob"):
+        dataclasses.replace(TINY, block_mask_prob=1.5)
+    with pytest.raises(ValueError, match="multiple of block_length"):
+        dataclasses.replace(TINY, gen_length=30)
+    with pytest.raises(SystemExit, match="block_mask_prob"):
+        TT.preset_config("tiny_long", block_mask_prob=-0.1)
+    assert TT.preset_config("tiny_long").block_mask_prob == 0.5
+
+
+def test_loss_falls_with_block_masks(tmp_path):
+    res = _run(dataclasses.replace(TINY, block_mask_prob=0.5), tmp_path / "blk")
+    losses = [res["losses"][s] for s in range(TINY.steps)]
+    assert all(np.isfinite(losses))
+    assert np.mean(losses[-6:]) < np.mean(losses[:4]) - 0.5, losses
+
+
+def test_resume_does_not_need_the_init_from_folder(tmp_path):
+    """A fine-tuning run resumes after its starting folder is gone (the checkpoint holds step 0's weights
+    and more), keeps its own ``init_from``, and refuses ``--init-from`` together with ``--resume``."""
+    import shutil
+
+    base = _run(TINY, tmp_path / "base", stop_at=2)
+    TT.export(base, TINY, str(tmp_path / "start"), eval_n=1)
+    tc = dataclasses.replace(TINY, steps=6, init_from=str(tmp_path / "start"))
+    whole = _run(tc, tmp_path / "whole")
+    _run(tc, tmp_path / "part", stop_at=3)
+    shutil.rmtree(tmp_path / "start")
+    rest = _run(dataclasses.replace(tc, init_from=None), tmp_path / "part", resume=True)
+    assert [rest["losses"][s] for s in range(3, 6)] == [whole["losses"][s] for s in range(3, 6)]
+    assert rest["meta"]["train_config"]["init_from"] == str(tmp_path / "start")
+    with pytest.raises(SystemExit, match="--init-from only"):
+        TT.main(["--out", str(tmp_path / "part"), "--resume", "--init-from", "tiny_tasks"])
