@@ -44,7 +44,9 @@ RATES = (0.2, 0.5, 0.8, 0.95)
 
 def probe(model_dir: str, task: str, n: int, prefixes: Sequence[int] = PREFIXES, rates: Sequence[float] = RATES,
           seed: int = 0) -> dict[str, float]:
-    """Mean accuracies ``{"all-masked": .., "prefix k": .., "iid t": ..}`` over ``n`` evaluation instances."""
+    """Mean accuracies (floats in [0, 1]) ``{"all-masked": .., "prefix k": .., "iid t": ..}`` over the first
+    ``n`` evaluation instances of ``task``, one batch-1 forward per probe (one compiled shape per call);
+    ``seed`` draws the ``iid`` masks."""
     cfg, params = load_model(model_dir, dtype="float32")
     tok = load_tokenizer(model_dir)
     G = int(generation_defaults(model_dir).get("gen_length", 32))
@@ -61,7 +63,7 @@ def probe(model_dir: str, task: str, n: int, prefixes: Sequence[int] = PREFIXES,
     acc: dict[str, list[float]] = {}
     for pid, answer in items:
         n_p = len(pid)
-        ref = np.array(list(answer.encode("utf-8")) + [tok.eos_token_id] * (G - len(answer.encode("utf-8"))))
+        ref = TT.answer_ids(tok, answer, G)  # [G]
         valid = np.zeros((1, L), bool)
         valid[0, :n_p + G] = True
 

@@ -74,7 +74,7 @@ from polestar_jax.tokenizer import Tokenizer, asset_model_dir, load_tokenizer  #
 #: The bundled folder whose byte-level tokenizer and chat template the tiny model uses.
 TOKENIZER_SOURCE = "tiny_random"
 
-__all__ = ["TrainConfig", "AnswerMask", "answer_mask", "model_config", "make_batch", "make_optimizer",
+__all__ = ["TrainConfig", "AnswerMask", "answer_mask", "model_config", "answer_ids", "make_batch", "make_optimizer",
            "make_train_step", "train", "evaluate", "export", "main"]
 
 
@@ -207,6 +207,15 @@ def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
     return [*pre, *prompt.encode("utf-8"), *suf]
 
 
+def answer_ids(tok: Tokenizer, answer: str, G: int) -> np.ndarray:
+    """The answer region of a row: ``answer``'s byte tokens padded with EOS to ``G`` ([G] int32); the
+    training target and the reference of :mod:`bench.probe_prefix`."""
+    a = list(answer.encode("utf-8"))
+    if len(a) > G:
+        raise ValueError(f"instance too long for the layout (answer {len(a)} > {G})")
+    return np.array(a + [tok.eos_token_id] * (G - len(a)), np.int32)
+
+
 def make_batch(rng: np.random.Generator, tc: TrainConfig, tok: Tokenizer) -> tuple[dict, list[tuple[str, str, str]]]:
     """One training batch (numpy) drawn from ``rng`` and the (task, prompt, answer) of each row.
 
@@ -223,12 +232,11 @@ def make_batch(rng: np.random.Generator, tc: TrainConfig, tok: Tokenizer) -> tup
     for r in range(b):
         task, prompt, answer = T.sample_task(rng, tc.tasks, tc.task_weights)
         p = prompt_ids(tok, prompt)
-        a = list(answer.encode("utf-8"))
-        if len(p) > P or len(a) > G:
-            raise ValueError(f"instance too long for the layout (prompt {len(p)} > {P} or answer {len(a)} > {G})")
+        if len(p) > P:
+            raise ValueError(f"instance too long for the layout (prompt {len(p)} > {P})")
         n = len(p)
         ids[r, :n] = p
-        ids[r, n:n + len(a)] = a
+        ids[r, n:n + G] = answer_ids(tok, answer, G)
         valid[r, :n + G] = True
         start[r] = n
         rows.append((task, prompt, answer))
