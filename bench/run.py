@@ -31,8 +31,13 @@ its random draws come from ``(seed, i)`` (``generate(..., rows=...)``), so the o
 Usage::
 
     python -m bench.run [--quick] [--out DIR] [--model DIR] [--n N] [--batch B] [--decoders a,b,...]
-                        [--sweep 0.7,0.8,0.9,0.95 | --no-sweep] [--repeats R] [--mesh data=D,model=M]
+                        [--sweep 0.7,0.8,0.9,0.95 | --no-sweep] [--variant 'FLAGS' ...] [--repeats R]
+                        [--mesh data=D,model=M]
                         [--coordinator HOST:PORT --num-processes N --process-id I]
+
+``--variant '--top-k 8 --suffix-blocks 2'`` (repeatable; any of ``generate``'s Polestar flags) adds a
+diagnostic row, ``polestar[top_k=8,suffix_blocks=2]``: Polestar at 0.9 with those knobs changed, decoded
+once -- to see which knob (refresh budget, trigger, window) limits Polestar on a model.
 
 ``--mesh`` decodes over a device mesh; several processes or hosts (the flags, or the
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment, as ``generate``) join one
@@ -72,6 +77,7 @@ from polestar_jax.errors import PolestarError
 from polestar_jax.tokenizer import Tokenizer
 
 __all__ = ["Decoder", "DECODERS", "SWEPT", "SWEEP_THRESHOLDS", "RunConfig", "decode_config", "sweep_decoder",
+           "variant_decoder",
            "resolve_decoders", "polestar_early_threshold", "h200_projection", "frontier_readoff", "run",
            "markdown", "main"]
 
@@ -84,8 +90,8 @@ class Decoder:
     """One benchmarked decoder: a name and the :class:`DecodeConfig` fields that define it.
 
     ``curve``: the swept decoder this row lies on (its own name for a swept decoder's 0.9 default, the base
-    name for its ``@threshold`` rows; None off the sweep); ``sweep_point``: a ``@threshold`` row (decoded
-    once, not ``--repeats`` times)."""
+    name for its ``@threshold`` rows; None off the sweep); ``sweep_point``: decoded once, not ``--repeats``
+    times (the ``@threshold`` rows and the ``--variant`` rows)."""
 
     name: str
     decoder: str
@@ -160,9 +166,38 @@ def sweep_decoder(base: str, threshold: float) -> Decoder:
                                sweep_point=True, doc=f"{base} at threshold {threshold:g}")
 
 
-def resolve_decoders(names: Sequence[str], sweep: Sequence[float]) -> list[Decoder]:
+class _VariantParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise PolestarError(f"--variant: {message}")
+
+
+def variant_decoder(spec: str) -> Decoder:
+    """The ``polestar`` decoder (threshold 0.9) with the :class:`PolestarConfig` flags of ``spec`` -- the
+    flags ``python -m polestar_jax.generate`` takes, e.g. ``"--top-k 8 --suffix-blocks 2"`` -- changed: a
+    diagnostic row (which knob limits Polestar on this model), decoded once, named by what it changes,
+    e.g. ``polestar[top_k=8,suffix_blocks=2]``."""
+    ap = _VariantParser(prog="--variant", add_help=False)
+    cli.add_config_flags(ap, PolestarConfig)
+    try:
+        args = ap.parse_args(shlex.split(spec))
+    except ValueError as e:  # unbalanced quotes
+        raise PolestarError(f"--variant {spec!r}: {e}") from None
+    given = cli.given_config_values(args, PolestarConfig)
+    if not given:
+        raise PolestarError(f"--variant {spec!r} changes no Polestar knob (give flags such as --top-k 8)")
+    base = next(d for d in DECODERS if d.name == "polestar")
+    pol = dict(base.polestar or {}, **given)
+    PolestarConfig(**pol)  # a bad combination fails here, with the config's one-line message
+    label = ",".join(f"{k}={'none' if v is None else getattr(v, 'value', v)}" for k, v in given.items())
+    return dataclasses.replace(base, name=f"polestar[{label}]", polestar=pol, curve=None, sweep_point=True,
+                               doc=f"polestar with {spec.strip()} (a diagnostic variant)")
+
+
+def resolve_decoders(names: Sequence[str], sweep: Sequence[float], variants: Sequence[str] = ()
+                     ) -> list[Decoder]:
     """The decoders of a run in report order: the named ones of :data:`DECODERS`, then for every named
-    decoder of :data:`SWEPT` its ``sweep`` thresholds (ascending), then explicit ``name@threshold`` names."""
+    decoder of :data:`SWEPT` its ``sweep`` thresholds (ascending), then explicit ``name@threshold`` names,
+    then the ``variants`` (:func:`variant_decoder`)."""
     plain = [n for n in names if "@" not in n]
     unknown = sorted(set(plain) - set(DECODER_NAMES))
     if unknown:
@@ -181,6 +216,11 @@ def resolve_decoders(names: Sequence[str], sweep: Sequence[float]) -> list[Decod
         d = sweep_decoder(base, t)
         if all(x.name != d.name for x in out):
             out.append(d)
+    for spec in variants:
+        d = variant_decoder(spec)
+        if any(x.name == d.name for x in out):
+            raise PolestarError(f"--variant {spec!r} is given twice")
+        out.append(d)
     return out
 
 
@@ -193,6 +233,7 @@ class RunConfig:
     tasks: tuple[str, ...] = T.TASK_NAMES
     decoders: tuple[str, ...] = DECODER_NAMES
     sweep: tuple[float, ...] = SWEEP_THRESHOLDS  # thresholds swept for SWEPT decoders (empty: none)
+    variants: tuple[str, ...] = ()  # polestar with changed knobs, e.g. "--top-k 8" (see variant_decoder)
     repeats: int = 3  # timed decodes of the whole job for the unsuffixed rows (tokens/s: the median)
     batch: int = 72
     gen_length: Optional[int] = None  # default: the model folder's generation defaults
@@ -438,7 +479,7 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
     if bad_tasks:
         raise PolestarError(f"unknown task(s) {', '.join(bad_tasks)} (choose from {', '.join(T.TASKS)}, or the "
                             f"groups {', '.join(TASK_GROUPS)})")
-    decoders = resolve_decoders(rc.decoders, rc.sweep)
+    decoders = resolve_decoders(rc.decoders, rc.sweep, rc.variants)
     mesh = sharding.mesh_or_none(rc.mesh or None)  # over every process's devices once joined (see main)
     leader = sharding.is_leader()  # several processes: all decode the same job, process 0 writes
     bm = load_bench_model(rc.model, rc.gen_length, rc.block_length, mesh=mesh)
@@ -578,6 +619,8 @@ def _notes(rc: RunConfig) -> list[str]:
         "sweep: thresholds " + ", ".join(f"{t:g}" for t in rc.sweep) + " for " + ", ".join(SWEPT)
         + "; Polestar's early threshold stays 0.7 where it lies below the threshold, else threshold - 0.2 "
           "(0.5 at 0.7).",
+        *(["variants: polestar[knob=value,...] rows are polestar (threshold 0.9) with those knobs changed "
+           "(--variant), decoded once; diagnostics, not tuned settings."] if rc.variants else []),
         "forwards_*: forwards per instance by kind (full passes, Polestar windowed starts, cached steps "
         "without refresh, refresh steps); refresh_rows_computed: window rows a refresh step computes per "
         "layer at batch 1 (smallest compiled width holding the row's selection; mean over layers and steps).",
@@ -793,7 +836,7 @@ def frontier_plot(rows: list[dict], path: str) -> Optional[str]:
     panels = [("tps", "tokens/s, this machine (measured)")]
     if all(r.get("tps_h200_projection") for r in pts):
         panels.append(("tps_h200_projection", "tokens/s, one H200 at LLaDA-8B shapes (PROJECTION: a model)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 3.2, 4.6), dpi=120, squeeze=False)
     markers = "osD^vP*X<>"
     for ax, (key, label) in zip(axes[0], panels):
         for name, c in curves.items():
@@ -810,7 +853,8 @@ def frontier_plot(rows: list[dict], path: str) -> Optional[str]:
         ax.set_xlabel(label)
         ax.set_ylabel("accuracy (%, mean over tasks)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="best")
+    # one legend, outside the panels (inside, it hid points)
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     axes[0][0].set_title("accuracy vs throughput")
     if len(panels) > 1:
         axes[0][1].set_title("same forwards, H200 roofline projection (model)")
@@ -842,6 +886,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help=f"thresholds swept for {', '.join(SWEPT)} (default %(default)s; 0.9 is the "
                          "unsuffixed row)")
     ap.add_argument("--no-sweep", action="store_true", help="no threshold sweep")
+    ap.add_argument("--variant", action="append", default=[], metavar="FLAGS",
+                    help="also decode polestar with these generate flags changed, e.g. '--top-k 8 "
+                         "--suffix-blocks 2', or --variant=--no-suffix-commit for one flag without a value "
+                         "(repeatable; a diagnostic row, decoded once)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="decodes of the job per unsuffixed decoder, tokens/s = the median (default 3, --quick 1)")
     ap.add_argument("--seed", type=int, default=0, help="job seed (instance i gets (seed, i))")
@@ -868,6 +916,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         n=args.n if args.n is not None else base.n, flops=base.flops and not args.no_flops,
         tasks=expand_tasks(args.tasks) if args.tasks else base.tasks,
         decoders=tuple(args.decoders.split(",")) if args.decoders else base.decoders, sweep=sweep,
+        variants=tuple(args.variant),
         repeats=args.repeats if args.repeats is not None else base.repeats, seed=args.seed,
         projection=not args.no_projection, gpu_check=args.gpu_check, mesh=args.mesh)
     if rc.n <= 0 or rc.batch <= 0 or rc.repeats <= 0:

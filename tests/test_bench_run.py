@@ -172,6 +172,24 @@ def test_decoders_sweep_names_and_configs():
             BR.resolve_decoders([bad], ())
 
 
+def test_variant_rows_change_only_the_given_knobs():
+    d = BR.variant_decoder("--top-k 8 --suffix-blocks 2 --early-threshold none")
+    assert d.name == "polestar[suffix_blocks=2,top_k=8,early_threshold=none]"  # field order
+    pc, ref = BR.decode_config(d, 128, 32).polestar, BR.PolestarConfig()
+    assert (pc.top_k, pc.suffix_blocks, pc.early_threshold) == (8, 2, None)
+    assert (pc.top_k_last, pc.prefix_blocks, pc.trigger_commits) == (ref.top_k_last, ref.prefix_blocks,
+                                                                      ref.trigger_commits)
+    assert d.sweep_point and d.curve is None and d.threshold == 0.9
+    assert BR.variant_decoder("--no-refresh --no-suffix-commit").polestar["refresh"] is False
+    names = [x.name for x in BR.resolve_decoders(["llada"], (0.8,), ["--top-k 2"])]
+    assert names == ["llada", "polestar[top_k=2]"]
+    for bad in ("", "--nope 3", "--top-k x", "--top-k 9", "--no-refresh", "'--top-k"):
+        with pytest.raises(BR.PolestarError):
+            BR.variant_decoder(bad)
+    with pytest.raises(BR.PolestarError, match="twice"):
+        BR.resolve_decoders([], (), ["--top-k 2", "--top-k  2"])
+
+
 def test_bench_run_rejects_unknown_names(capsys):
     assert BR.main(["--decoders", "nope", "--n", "1", "--out", ""]) == 2
     assert "unknown decoder" in capsys.readouterr().err
@@ -179,6 +197,10 @@ def test_bench_run_rejects_unknown_names(capsys):
     assert "no threshold sweep" in capsys.readouterr().err
     assert BR.main(["--tasks", "nope", "--n", "1", "--out", ""]) == 2
     assert "unknown task" in capsys.readouterr().err
+    assert BR.main(["--variant", "--top-k 9", "--n", "1", "--out", ""]) == 2
+    assert "top_k 9 is larger" in capsys.readouterr().err
+    assert BR.main(["--variant=--nope", "--n", "1", "--out", ""]) == 2
+    assert "--variant: unrecognized arguments: --nope" in capsys.readouterr().err
 
 
 def test_task_groups_expand():
