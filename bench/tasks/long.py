@@ -26,7 +26,7 @@ without spaces; indices are 0-based. Formats::
                                                         input i is 0, else max(output i-1, input i); every
                                                         output digit depends on the previous one)
 
-Answers are 57..99 characters (one byte-level token each), about 76 on average (see the tests).
+Answers are 55..99 characters (one byte-level token each), about 76 on average (see the tests).
 """
 from __future__ import annotations
 
