@@ -46,7 +46,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -66,16 +65,23 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import tasks as T  # noqa: E402
+from polestar_jax import cli  # noqa: E402
 from polestar_jax import model as M  # noqa: E402
 from polestar_jax.checkpoint import param_shapes  # noqa: E402
 from polestar_jax.config import DecodeConfig, ModelConfig  # noqa: E402
+from polestar_jax.errors import PolestarError  # noqa: E402
 from polestar_jax.tokenizer import Tokenizer, asset_model_dir, load_tokenizer  # noqa: E402
 
 #: The bundled folder whose byte-level tokenizer and chat template the tiny model uses.
 TOKENIZER_SOURCE = "tiny_random"
 
-__all__ = ["TrainConfig", "AnswerMask", "answer_mask", "model_config", "answer_ids", "make_batch", "make_optimizer",
-           "make_train_step", "train", "evaluate", "export", "main"]
+__all__ = ["TrainError", "TrainConfig", "parse_task_weights", "AnswerMask", "answer_mask", "model_config",
+           "answer_ids", "make_batch", "make_optimizer", "make_train_step", "train", "evaluate", "export", "main"]
+
+
+class TrainError(PolestarError):
+    """A training request that cannot be carried out (an invalid configuration, a checkpoint that does not
+    match it, weights of other shapes); :func:`main` prints it as one ``error:`` line and exits with 2."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +126,24 @@ class TrainConfig:
     preset: str = "tiny_tasks"
 
     def __post_init__(self):
+        for name in ("steps", "batch", "gen_length", "block_length"):
+            if getattr(self, name) <= 0:
+                raise TrainError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (np.isfinite(self.lr) and self.lr > 0):
+            raise TrainError(f"lr must be a positive number, got {self.lr}")
         if not 0.0 <= self.block_mask_prob <= 1.0:
-            raise ValueError(f"block_mask_prob must lie in [0, 1], got {self.block_mask_prob}")
-        if self.block_length <= 0 or self.gen_length % self.block_length:
-            raise ValueError(f"gen_length {self.gen_length} must be a multiple of block_length {self.block_length}")
+            raise TrainError(f"block_mask_prob must lie in [0, 1], got {self.block_mask_prob}")
+        if self.gen_length % self.block_length:
+            raise TrainError(f"gen_length {self.gen_length} must be a multiple of block_length {self.block_length}")
+        unknown = [t for t in self.tasks + (self.eval_tasks or ()) if t not in T.TASKS]
+        if unknown:
+            raise TrainError(f"unknown task(s) {', '.join(unknown)}")
+        if self.task_weights is not None:
+            w = np.asarray(self.task_weights, np.float64)
+            if w.shape != (len(self.tasks),):
+                raise TrainError(f"{len(self.task_weights)} task weights for {len(self.tasks)} tasks")
+            if not (np.isfinite(w).all() and (w >= 0).all() and w.sum() > 0):
+                raise TrainError(f"task weights must be finite, >= 0 and not all 0, got {list(self.task_weights)}")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -165,15 +185,13 @@ PRESETS: dict[str, dict] = {
 
 
 def preset_config(name: str, **overrides) -> TrainConfig:
-    """The :class:`TrainConfig` of preset ``name`` with ``overrides`` (fields; ``None`` values are ignored)."""
+    """The :class:`TrainConfig` of preset ``name`` with ``overrides`` (fields; ``None`` values are ignored);
+    an invalid result raises :class:`TrainError`."""
     if name not in PRESETS:
-        raise SystemExit(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+        raise TrainError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     fields = dict(PRESETS[name])
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return TrainConfig(**fields)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    return TrainConfig(**fields)
 
 
 def model_config(tc: TrainConfig, tok: Tokenizer) -> ModelConfig:
@@ -280,7 +298,7 @@ def start_params(tc: TrainConfig, mcfg: ModelConfig) -> dict:
     want = jax.tree.map(tuple, param_shapes(mcfg), is_leaf=lambda x: isinstance(x, tuple))
     got = jax.tree.map(lambda x: tuple(x.shape), params)
     if got != want:
-        raise SystemExit(f"--init-from {tc.init_from}: parameter shapes differ from this configuration's")
+        raise TrainError(f"--init-from {tc.init_from}: parameter shapes differ from this configuration's")
     return params
 
 
@@ -453,7 +471,7 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
     mngr = _ckpt_manager(out)
     if mngr.latest_step() is not None:
         if not resume:
-            raise SystemExit(f"{out} already holds a checkpoint (step {mngr.latest_step()}); pass --resume "
+            raise TrainError(f"{out} already holds a checkpoint (step {mngr.latest_step()}); pass --resume "
                              f"to continue it or choose another --out")
         # the restore target: random weights of the same shapes (init_from only defines step 0, which the
         # checkpoint holds, so its folder need not exist any more)
@@ -464,7 +482,7 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
         if dataclasses.replace(saved, steps=tc.steps, init_from=tc.init_from) != tc:
             diff = {k: (v, getattr(tc, k)) for k, v in dataclasses.asdict(saved).items()
                     if k not in ("steps", "init_from") and v != getattr(tc, k)}
-            raise SystemExit(f"--resume: the configuration differs from the checkpoint's: {diff}")
+            raise TrainError(f"--resume: the configuration differs from the checkpoint's: {diff}")
         tc = dataclasses.replace(tc, init_from=saved.init_from)
         rng = _rng_from_json(meta["rng_state"])
         meta["train_config"] = tc.to_json()
@@ -557,7 +575,7 @@ def load_checkpoint(out: str, step: Optional[int] = None) -> tuple[dict, TrainCo
     mngr = _ckpt_manager(out)
     step = mngr.latest_step() if step is None else step
     if step is None:
-        raise SystemExit(f"{out} holds no checkpoint")
+        raise TrainError(f"{out} holds no checkpoint")
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     tc = TrainConfig.from_json(meta["train_config"])
     tok = load_tokenizer(asset_model_dir(TOKENIZER_SOURCE))
@@ -679,8 +697,39 @@ def _saved_preset(out: str) -> Optional[str]:
         mngr.close()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_task_weights(spec: str, base: TrainConfig) -> tuple[float, ...]:
+    """The task weights of ``base`` (its own, else 1 each) with the ``task=weight`` items of the
+    comma-separated ``spec`` changed, in ``base.tasks`` order; a malformed item, a task outside ``base.tasks``
+    or a negative or non-finite weight raises a one-line :class:`TrainError`."""
+    weights = dict(zip(base.tasks, base.task_weights or (1.0,) * len(base.tasks)))
+    for item in spec.split(","):
+        task, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not task:
+            raise TrainError(f"--task-weights item {item!r} is not task=weight")
+        if task not in weights:
+            raise TrainError(f"--task-weights: {task!r} is not a task of this run ({', '.join(base.tasks)})")
+        try:
+            w = float(value)
+        except ValueError:
+            raise TrainError(f"--task-weights: weight {value!r} of {task} is not a number") from None
+        if not (np.isfinite(w) and w >= 0):
+            raise TrainError(f"--task-weights: weight of {task} must be finite and >= 0, got {value}")
+        weights[task] = w
+    return tuple(weights[t] for t in base.tasks)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line (see the module docstring): 0 when done, 2 with one ``error:`` line for bad input."""
+    try:
+        _main(argv)
+    except PolestarError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return cli.EXIT_USAGE
+    return cli.EXIT_OK
+
+
+def _main(argv: Optional[Sequence[str]]) -> None:
+    ap = cli.Parser(prog="python -m bench.train_tiny", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint folder (orbax CheckpointManager)")
     ap.add_argument("--preset", choices=tuple(PRESETS), default=None,
                     help="named setting (default tiny_tasks; with --resume: the checkpoint's)")
@@ -715,7 +764,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = ap.parse_args(argv)
     if args.export_only:
         if not args.export:
-            raise SystemExit("--export-only needs --export DIR")
+            raise TrainError("--export-only needs --export DIR")
         res, tc = load_checkpoint(args.out)
         acc = export(res, tc, args.export, args.export_eval_n)
         _log(f"exported step {int(res['state']['step'])} of {args.out} to {args.export}: "
@@ -723,22 +772,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
 
     if args.resume and args.init_from is not None and _saved_preset(args.out) is not None:
-        raise SystemExit("--init-from only chooses the weights a run starts from; --resume continues the "
+        raise TrainError("--init-from only chooses the weights a run starts from; --resume continues the "
                          f"checkpoint in {args.out} (its starting weights are part of it)")
     preset = args.preset
     if preset is None:
         preset = (_saved_preset(args.out) if args.resume else None) or "tiny_tasks"
     base = preset_config(preset)
-    task_names = base.tasks
-    weights = None
-    if args.task_weights:
-        w = dict(zip(task_names, base.task_weights or (1.0,) * len(task_names)))
-        for item in args.task_weights.split(","):
-            k, v = item.split("=")
-            if k not in w:
-                raise SystemExit(f"unknown task {k!r}")
-            w[k] = float(v)
-        weights = tuple(w[k] for k in task_names)
+    weights = parse_task_weights(args.task_weights, base) if args.task_weights else None
     tc = preset_config(preset, seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr,
                        warmup=args.warmup, end_lr_ratio=args.end_lr_ratio, gen_length=args.gen_length,
                        block_length=args.block_length, prompt_slot=args.prompt_slot, task_weights=weights,
@@ -755,4 +795,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

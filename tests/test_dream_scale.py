@@ -308,8 +308,14 @@ def test_dream7b_config_and_memory_plan(capsys):
 # ---------------------------------------------------------------------------------- host offload
 def test_int8_offload_rows_equal_alone(dream, cases):
     """The int8 store (host memory where the backend has it) on Dream: every token committed, the refresh
-    ran (its store reads and writes), and each row of a mixed-length batch gets what it gets alone. (int8 is
-    lossy by design: how far it moves tokens is a benchmark question, as for LLaDA.)"""
+    ran (its store reads and writes), and each row of a mixed-length batch gets what it gets beside a copy
+    of itself: the other row's prompt and store never leak into it. (int8 is lossy by design: how far it
+    moves tokens is a benchmark question, as for LLaDA.)
+
+    The reference is a batch of the same shape, not the row alone: XLA's CPU matmuls are not bitwise
+    invariant to the batch size on every processor (on an AMD EPYC host the float32 token drift of a row
+    differed by ~3e-6 between batch 2 and batch 1), and the int8 rounding can turn such a difference into a
+    changed token (one token of 64 there), which says nothing about the rows' independence."""
     cfg, params = dream
     dc = _polestar(offload_hidden="int8", refresh_buckets=1)  # (widths do not change tokens: test_refresh.py)
     prompts = [c["prompt_ids"] for c in _golden(cases, "polestar")[:2]]
@@ -317,7 +323,9 @@ def test_int8_offload_rows_equal_alone(dream, cases):
     assert (both.tokens != cfg.mask_token_id).all()
     assert int(both.polestar["refresh_steps"].sum()) > 0
     for row, p in enumerate(prompts):
-        _same_rows(both, row, generate(params, cfg, [p], dc, seed=11, rows=[row], prompt_slot=48), 0)
+        pair = generate(params, cfg, [p, p], dc, seed=11, rows=[row, row], prompt_slot=48)
+        for r in (0, 1):
+            _same_rows(both, row, pair, r)
 
 
 def test_bf16_offload_is_exact_on_bf16_weights(dream, cases):

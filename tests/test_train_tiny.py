@@ -48,9 +48,9 @@ def test_loss_falls_and_resume_is_exact(tmp_path):
 
     part = _run(TINY, tmp_path / "b", stop_at=10)
     assert sorted(part["losses"]) == list(range(10))
-    with pytest.raises(SystemExit):  # refuses to overwrite without --resume
+    with pytest.raises(TT.TrainError, match="already holds a checkpoint"):  # refuses to overwrite without --resume
         _run(TINY, tmp_path / "b")
-    with pytest.raises(SystemExit):  # refuses a different configuration
+    with pytest.raises(TT.TrainError, match="configuration differs"):  # refuses a different configuration
         _run(dataclasses.replace(TINY, lr=1e-3), tmp_path / "b", resume=True)
     rest = _run(TINY, tmp_path / "b", resume=True)
     assert sorted(rest["losses"]) == list(range(10, TINY.steps))
@@ -98,7 +98,7 @@ def test_init_from_starts_at_those_weights_and_eval_tasks_pick_the_evaluation(tm
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert TT.TrainConfig.from_json(tc.to_json()) == tc
     wide = dataclasses.replace(tc, d_model=64, mlp_hidden=128)
-    with pytest.raises(SystemExit, match="shapes differ"):
+    with pytest.raises(TT.TrainError, match="shapes differ"):
         TT.init_state(wide, TT.model_config(wide, tok))
     assert set(TT.evaluate(got, mcfg, tok, 1, tc)) == {"copy", "remove"}
 
@@ -130,9 +130,42 @@ def test_train_config_validates():
         dataclasses.replace(TINY, block_mask_prob=1.5)
     with pytest.raises(ValueError, match="multiple of block_length"):
         dataclasses.replace(TINY, gen_length=30)
-    with pytest.raises(SystemExit, match="block_mask_prob"):
+    with pytest.raises(TT.TrainError, match="block_mask_prob"):
         TT.preset_config("tiny_long", block_mask_prob=-0.1)
     assert TT.preset_config("tiny_long").block_mask_prob == 0.5
+    for bad, match in [(dict(steps=0), "steps must be positive"), (dict(lr=float("nan")), "lr must be"),
+                       (dict(tasks=("copy", "nope")), "unknown task"), (dict(task_weights=(1.0,)), "2 tasks"),
+                       (dict(task_weights=(0.0, 0.0)), "not all 0"), (dict(task_weights=(1.0, -1.0)), ">= 0")]:
+        with pytest.raises(TT.TrainError, match=match):
+            dataclasses.replace(TINY, **{"tasks": ("copy", "remove"), **bad})
+
+
+def test_task_weights_flag():
+    """``--task-weights`` changes the named weights and keeps the preset's others; bad items are one-line
+    errors (exit 2 from ``main``), never a traceback."""
+    base = TT.preset_config("tiny_long")
+    w = TT.parse_task_weights("long_sort=2, long_copy=0.25", base)
+    i, j = base.tasks.index("long_sort"), base.tasks.index("long_copy")
+    assert (w[i], w[j]) == (2.0, 0.25)
+    assert [x for k, x in enumerate(w) if k not in (i, j)] == [x for k, x in enumerate(base.task_weights)
+                                                                if k not in (i, j)]
+    two = dataclasses.replace(TINY, tasks=("copy", "remove"))
+    assert TT.parse_task_weights("copy=3", two) == (3.0, 1.0)  # no weights of its own: 1 each
+    for spec, match in [("long_sort", "not task=weight"), ("add=1", "not a task of this run"),
+                        ("long_sort=x", "not a number"), ("long_sort=-1", ">= 0"), ("long_sort=inf", ">= 0")]:
+        with pytest.raises(TT.TrainError, match=match):
+            TT.parse_task_weights(spec, base)
+
+
+def test_main_errors_are_one_line(tmp_path, capsys):
+    for argv, match in [(["--out", str(tmp_path / "x"), "--preset", "tiny_long", "--task-weights", "long_sort"],
+                         "not task=weight"),
+                        (["--out", str(tmp_path / "x"), "--steps", "0"], "steps must be positive"),
+                        (["--out", str(tmp_path / "x"), "--export-only"], "needs --export")]:
+        assert TT.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and match in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
 
 
 def test_loss_falls_with_block_masks(tmp_path):
@@ -156,5 +189,5 @@ def test_resume_does_not_need_the_init_from_folder(tmp_path):
     rest = _run(dataclasses.replace(tc, init_from=None), tmp_path / "part", resume=True)
     assert [rest["losses"][s] for s in range(3, 6)] == [whole["losses"][s] for s in range(3, 6)]
     assert rest["meta"]["train_config"]["init_from"] == str(tmp_path / "start")
-    with pytest.raises(SystemExit, match="--init-from only"):
-        TT.main(["--out", str(tmp_path / "part"), "--resume", "--init-from", "tiny_tasks"])
+    with pytest.raises(TT.TrainError, match="--init-from only"):
+        TT._main(["--out", str(tmp_path / "part"), "--resume", "--init-from", "tiny_tasks"])
