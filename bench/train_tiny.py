@@ -135,7 +135,9 @@ class TrainConfig:
             raise TrainError(f"block_mask_prob must lie in [0, 1], got {self.block_mask_prob}")
         if self.gen_length % self.block_length:
             raise TrainError(f"gen_length {self.gen_length} must be a multiple of block_length {self.block_length}")
-        unknown = [t for t in self.tasks + (self.eval_tasks or ()) if t not in T.TASKS]
+        if not self.tasks:
+            raise TrainError("a run needs at least one task")
+        unknown = [t for t in (*self.tasks, *(self.eval_tasks or ())) if t not in T.TASKS]
         if unknown:
             raise TrainError(f"unknown task(s) {', '.join(unknown)}")
         if self.task_weights is not None:
@@ -680,8 +682,8 @@ Task formats are documented in `{formats}`.
 
 # ------------------------------------------------------------------------------------------------ CLI
 
-def _saved_preset(out: str) -> Optional[str]:
-    """The preset of the latest checkpoint in ``out`` (None when it holds none); only reads."""
+def _saved_config(out: str) -> Optional[TrainConfig]:
+    """The configuration of the latest checkpoint in ``out`` (None when it holds none); only reads."""
     import orbax.checkpoint as ocp
 
     if not os.path.isdir(out):
@@ -692,7 +694,7 @@ def _saved_preset(out: str) -> Optional[str]:
         if step is None:
             return None
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        return TrainConfig.from_json(meta["train_config"]).preset
+        return TrainConfig.from_json(meta["train_config"])
     finally:
         mngr.close()
 
@@ -736,8 +738,9 @@ def _main(argv: Optional[Sequence[str]]) -> None:
     ap.add_argument("--steps", type=int, default=None,
                     help=f"total training steps (default {TrainConfig.steps}, tiny_long {PRESETS['tiny_long']['steps']})")
     ap.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
-    ap.add_argument("--seed", type=int, default=0)
-    # the defaults of these come from the preset (TrainConfig's for tiny_tasks)
+    ap.add_argument("--seed", type=int, default=None, help="data and masking seed (default 0)")
+    # the defaults of these (and of --seed) come from the preset (TrainConfig's for tiny_tasks); with --resume
+    # from the checkpoint's configuration, which a given flag must match (only --steps may change)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--warmup", type=int, default=None)
@@ -771,18 +774,26 @@ def _main(argv: Optional[Sequence[str]]) -> None:
              + " ".join(f"{k}={v:.3f}" for k, v in acc.items()))
         return
 
-    if args.resume and args.init_from is not None and _saved_preset(args.out) is not None:
-        raise TrainError("--init-from only chooses the weights a run starts from; --resume continues the "
-                         f"checkpoint in {args.out} (its starting weights are part of it)")
-    preset = args.preset
-    if preset is None:
-        preset = (_saved_preset(args.out) if args.resume else None) or "tiny_tasks"
-    base = preset_config(preset)
+    saved = _saved_config(args.out) if args.resume else None
+    if saved is not None:  # a resume: the checkpoint's configuration, with the flags given on top
+        if args.init_from is not None:
+            raise TrainError("--init-from only chooses the weights a run starts from; --resume continues the "
+                             f"checkpoint in {args.out} (its starting weights are part of it)")
+        if args.preset is not None and args.preset != saved.preset:
+            raise TrainError(f"--preset {args.preset}: the checkpoint in {args.out} is a {saved.preset} run")
+        base = saved
+
+        def build(**fields) -> TrainConfig:
+            return dataclasses.replace(saved, **{k: v for k, v in fields.items() if v is not None})
+    else:
+        preset = args.preset or "tiny_tasks"
+        base = preset_config(preset)
+        build = functools.partial(preset_config, preset)
     weights = parse_task_weights(args.task_weights, base) if args.task_weights else None
-    tc = preset_config(preset, seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr,
-                       warmup=args.warmup, end_lr_ratio=args.end_lr_ratio, gen_length=args.gen_length,
-                       block_length=args.block_length, prompt_slot=args.prompt_slot, task_weights=weights,
-                       init_from=args.init_from, block_mask_prob=args.block_mask_prob)
+    tc = build(seed=args.seed, steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
+               end_lr_ratio=args.end_lr_ratio, gen_length=args.gen_length, block_length=args.block_length,
+               prompt_slot=args.prompt_slot, task_weights=weights, init_from=args.init_from,
+               block_mask_prob=args.block_mask_prob)
     command = "python -m bench.train_tiny " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     res = train(tc, args.out, resume=args.resume, max_minutes=args.max_minutes, save_every=args.save_every,
                 eval_every=args.eval_every, eval_n=args.eval_n, log_every=args.log_every, command=command)

@@ -306,7 +306,7 @@ def test_dream7b_config_and_memory_plan(capsys):
 
 
 # ---------------------------------------------------------------------------------- host offload
-def test_int8_offload_rows_equal_alone(dream, cases):
+def test_int8_offload_rows_do_not_leak(dream, cases):
     """The int8 store (host memory where the backend has it) on Dream: every token committed, the refresh
     ran (its store reads and writes), and each row of a mixed-length batch gets what it gets beside a copy
     of itself: the other row's prompt and store never leak into it. (int8 is lossy by design: how far it

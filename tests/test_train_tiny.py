@@ -135,7 +135,8 @@ def test_train_config_validates():
     assert TT.preset_config("tiny_long").block_mask_prob == 0.5
     for bad, match in [(dict(steps=0), "steps must be positive"), (dict(lr=float("nan")), "lr must be"),
                        (dict(tasks=("copy", "nope")), "unknown task"), (dict(task_weights=(1.0,)), "2 tasks"),
-                       (dict(task_weights=(0.0, 0.0)), "not all 0"), (dict(task_weights=(1.0, -1.0)), ">= 0")]:
+                       (dict(task_weights=(0.0, 0.0)), "not all 0"), (dict(task_weights=(2.0, -1.0)), ">= 0"),
+                       (dict(tasks=()), "at least one task")]:
         with pytest.raises(TT.TrainError, match=match):
             dataclasses.replace(TINY, **{"tasks": ("copy", "remove"), **bad})
 
@@ -191,3 +192,20 @@ def test_resume_does_not_need_the_init_from_folder(tmp_path):
     assert rest["meta"]["train_config"]["init_from"] == str(tmp_path / "start")
     with pytest.raises(TT.TrainError, match="--init-from only"):
         TT._main(["--out", str(tmp_path / "part"), "--resume", "--init-from", "tiny_tasks"])
+
+
+def test_main_resumes_with_the_checkpoints_configuration(tmp_path, capsys):
+    """``--resume`` continues a run whose seed, learning rate and task mix are not the preset's without
+    repeating them (only ``--steps`` may change), and refuses a flag that contradicts the checkpoint."""
+    tc = dataclasses.replace(TINY, seed=7, lr=2e-3, tasks=("copy", "remove"), task_weights=(3.0, 1.0))
+    out = tmp_path / "run"
+    _run(tc, out, stop_at=3)
+    quiet = ["--eval-every", "0", "--save-every", "1000", "--log-every", "1000"]
+    assert TT.main(["--out", str(out), "--resume", "--steps", "5", *quiet]) == 0
+    res, saved = TT.load_checkpoint(str(out))
+    assert int(res["state"]["step"]) == 5 and saved == dataclasses.replace(tc, steps=5)
+    capsys.readouterr()
+    assert TT.main(["--out", str(out), "--resume", "--steps", "6", "--lr", "1e-3", *quiet]) == 2
+    assert "configuration differs" in capsys.readouterr().err
+    assert TT.main(["--out", str(out), "--resume", "--preset", "tiny_long", *quiet]) == 2
+    assert "is a tiny_tasks run" in capsys.readouterr().err
