@@ -83,8 +83,6 @@ def probe(model: str, tasks: Sequence[str], decoders: Sequence[str], n: int, bat
     items = [(task, p, a) for task in tasks for p, a in T.eval_instances(task, n)]
     prompts = [tok.chat_prompt_ids(p) for _, p, _ in items]
     slot = prompt_slot(prompts) if slot is None else slot
-    if slot < max(len(p) for p in prompts):
-        raise PolestarError(f"--slot {slot} is shorter than the longest prompt ({max(len(p) for p in prompts)})")
     refs = np.stack([TT.answer_ids(tok, a, G) for _, _, a in items])  # [items, G]
     span = [min(len(a.encode("utf-8")) + 1, G) for _, _, a in items]  # the answer and its EOS
     out: dict[str, dict[str, dict]] = {}

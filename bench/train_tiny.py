@@ -722,12 +722,7 @@ def parse_task_weights(spec: str, base: TrainConfig) -> tuple[float, ...]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line (see the module docstring): 0 when done, 2 with one ``error:`` line for bad input."""
-    try:
-        _main(argv)
-    except PolestarError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return cli.EXIT_USAGE
-    return cli.EXIT_OK
+    return cli.report_errors(_main, argv)
 
 
 def _main(argv: Optional[Sequence[str]]) -> None:

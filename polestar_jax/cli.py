@@ -102,13 +102,13 @@ def run_main(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequen
     """Runs ``fn(argv)`` as a command: ``PolestarError`` -> one ``error:`` line and exit 2, SIGINT at
     any moment -> ``interrupted`` and exit 130 (see the module docstring). Returns the exit status."""
     if threading.current_thread() is not threading.main_thread():  # called from a test thread etc.
-        return _call(fn, argv)
+        return report_errors(fn, argv)
     previous = signal.signal(signal.SIGINT, _on_interrupt)
     result: dict[str, Any] = {}
 
     def work():
         try:
-            result["rc"] = _call(fn, argv)
+            result["rc"] = report_errors(fn, argv)
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             result["exc"] = e
 
@@ -124,7 +124,10 @@ def run_main(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequen
     return result.get("rc", EXIT_FAILED)
 
 
-def _call(fn, argv) -> int:
+def report_errors(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:
+    """Runs ``fn(argv)`` and returns its exit status: a ``PolestarError`` becomes one ``error:`` line on stderr
+    and status 2, a ``SystemExit`` (argparse) its own code. No interrupt handling (see :func:`run_main`), so
+    a command that must save on Ctrl-C, such as training, can use it."""
     try:
         return int(fn(argv) or 0)
     except PolestarError as e:
