@@ -642,6 +642,10 @@ def _readme(tc: TrainConfig, mcfg: ModelConfig, meta: dict, acc: dict, eval_n: i
     bed = ("the long-answer test bed (answers of 55-99 tokens, several 32-token blocks)" if long
            else "the test bed for decoder accuracy versus speed")
     formats = "bench/tasks/long.py" if long else "bench/tasks/__init__.py"
+    # an export of a step before the end of its schedule says so (the lr never reached its floor)
+    mid = step < tc.steps
+    sched = f" (schedule: {tc.steps:,} steps)" if mid else ""
+    end_at = f" at step {tc.steps:,}" if mid else ""
     return f"""# {title}
 
 A {tc.n_layers}-layer LLaDA-architecture model (d_model {tc.d_model}, {tc.n_heads} heads, MLP {tc.mlp_hidden},
@@ -653,8 +657,8 @@ trained {'from scratch' if tc.init_from is None else f'from the weights of `{tc.
   Decode with `--gen-length {tc.gen_length} --block-length {tc.block_length}`; other lengths were never trained.
 * Prompts: the chat-template rendering of a task prompt (e.g. `reverse: bob,eve,tom`); the answer is the
   text before the first `<|endoftext|>` (`bench.tasks.decode_answer`).
-* Training: {step} steps of batch {tc.batch}, AdamW (peak lr {tc.lr}, warmup {tc.warmup}, cosine to
-  {tc.lr * tc.end_lr_ratio:g}, weight decay {tc.weight_decay}, clip {tc.clip}), seed {tc.seed},
+* Training: {step} steps{sched} of batch {tc.batch}, AdamW (peak lr {tc.lr}, warmup {tc.warmup}, cosine to
+  {tc.lr * tc.end_lr_ratio:g}{end_at}, weight decay {tc.weight_decay}, clip {tc.clip}), seed {tc.seed},
   tasks {', '.join(tc.tasks)} mixed {'uniformly' if tc.task_weights is None else f'with weights {list(tc.task_weights)}'};
   {'independent masks only' if tc.block_mask_prob == 0 else f'{tc.block_mask_prob:g} of the rows with block-structured masks (clean blocks, the current block at rate t, masked blocks: the states a block decoder meets)'};
   {meta.get('train_seconds', 0) / 60:.0f} minutes of training on a {os.cpu_count()}-core CPU; final training loss

@@ -229,11 +229,10 @@ def test_mid_curriculum_is_the_same_task_on_medium_lists(task):
 
 
 def test_bundled_tiny_long_keeps_predicting_after_a_revealed_prefix():
-    """The bundled ``tiny_long`` (run 5; runs 4 and 5 train half of the rows block-structured) still
-    predicts the rest of a ``long_copy`` answer once its first blocks are filled in correctly, the state a
-    block decoder meets. Run 3
-    (independent masks only) was right on 99.6% from the all-masked answer but on 35% of the rest after 32
-    revealed tokens."""
+    """The bundled ``tiny_long`` (run 6; runs 4-6 train half of the rows block-structured) still predicts
+    the rest of a ``long_copy`` answer once its first blocks are filled in correctly, the state a block
+    decoder meets. Run 3 (independent masks only) was right on 99.6% from the all-masked answer but on 35%
+    of the rest after 32 revealed tokens."""
     from bench.probe_prefix import probe
     from bench.train_tiny import asset_model_dir
 

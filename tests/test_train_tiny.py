@@ -80,6 +80,8 @@ def test_export_loads_back(tmp_path):
     assert tok.chat_template
     readme = (tmp_path / "model" / "README.md").read_text()
     assert "exact match" in readme and "copy" in readme
+    # an export before the end of the schedule says where the schedule ends
+    assert "Training: 2 steps (schedule: 24 steps) of batch 8" in readme and "at step 24," in readme
 
 
 def test_init_from_starts_at_those_weights_and_eval_tasks_pick_the_evaluation(tmp_path):
