@@ -22,7 +22,7 @@ import numpy as np
 from bench.bench_decoders import BenchConfig, machine_info, make_params
 from bench.common import RESULTS_DIR
 from polestar_jax.config import DecodeConfig
-from polestar_jax.engine import generate
+from polestar_jax.engine import Engine
 
 
 def run(batches: list[int], gen_length: int, variant: str, decoders: list[str]) -> dict:
@@ -32,13 +32,14 @@ def run(batches: list[int], gen_length: int, variant: str, decoders: list[str]) 
     rng = np.random.default_rng(bc.seed)
     prompts_all = [rng.integers(0, cfg.vocab_size - 2, size=bc.prompt_length).tolist() for _ in range(max(batches))]
     rows = []
+    engine = Engine(params, cfg)
     for decoder in decoders:
         dc = DecodeConfig(decoder=decoder, cache="dual", gen_length=gen_length, block_length=bc.block_length,
-                          threshold=bc.threshold)
+                          threshold=bc.threshold, early_exit=False)  # every block: tokens = batch x gen length
         for b in batches:
             prompts = prompts_all[:b]
-            first = generate(params, cfg, prompts, dc, seed=0, prompt_slot=bc.prompt_length)
-            res = generate(params, cfg, prompts, dc, seed=0, prompt_slot=bc.prompt_length)  # timed, compiled
+            first = engine.run(prompts, dc, seed=0, prompt_slot=bc.prompt_length)
+            res = engine.run(prompts, dc, seed=0, prompt_slot=bc.prompt_length)  # timed, compiled
             tokens = b * gen_length
             row = {"decoder": decoder, "batch": b, "tokens_per_s": tokens / res.seconds,
                    "decode_seconds": res.seconds, "compile_seconds": first.compile_seconds,

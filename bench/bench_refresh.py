@@ -84,7 +84,7 @@ def run(buckets=(1, 2, 4, 8), batches=(72, 1), n: int = 16, model: Optional[str]
             pc = dataclasses.replace(base.polestar, refresh_buckets=q, offload_hidden=offload_hidden)
             dcfg = dataclasses.replace(base, polestar=pc)
             toks, steps, decode_s, compile_s = [], [], 0.0, 0.0
-            for _, n_real, res in decode_batches(params, mcfg, prompts, dcfg, batch, slot, seed=0):
+            for _, n_real, res in decode_batches(bm.engine, prompts, dcfg, batch, slot, seed=0):
                 toks.append(res.tokens[:n_real])
                 steps += list(res.steps)  # (padding rows included: the executable does their work)
                 decode_s += res.seconds

@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Sequence
 
 from polestar_jax.checkpoint import generation_defaults, load_model
 from polestar_jax.config import DecodeConfig, ModelConfig
-from polestar_jax.engine import GenerateResult, generate
+from polestar_jax.engine import Engine, GenerateResult
 from polestar_jax.errors import PolestarError
 from polestar_jax.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer
 
@@ -44,6 +44,7 @@ class BenchModel:
     tok: Tokenizer
     gen_length: int
     block_length: int
+    engine: Engine  # decodes every job of this model (owns the compiled programs)
 
 
 def load_bench_model(model: Optional[str] = None, gen_length: Optional[int] = None,
@@ -59,7 +60,7 @@ def load_bench_model(model: Optional[str] = None, gen_length: Optional[int] = No
     block = block_length if block_length is not None else gd.get("block_length", 8)
     if gen <= 0 or block <= 0 or gen % block:
         raise PolestarError(f"gen length {gen} must be a positive multiple of block length {block}")
-    return BenchModel(model_dir, mcfg, params, tok, gen, block)
+    return BenchModel(model_dir, mcfg, params, tok, gen, block, Engine(params, mcfg, tok, mesh=mesh))
 
 
 def prompt_slot(prompts: Sequence[Sequence[int]], multiple: int = SLOT_MULTIPLE) -> int:
@@ -80,13 +81,13 @@ def padded_batches(prompts: Sequence[Sequence[int]], batch: int) -> Iterator[tup
         yield len(chunk), chunk + [chunk[0]] * pad, rows + [rows[0]] * pad
 
 
-def decode_batches(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, batch: int,
-                   slot: int, seed: int = 0, mesh=None) -> Iterator[tuple[int, int, GenerateResult]]:
-    """Decodes the job in padded batches (:func:`padded_batches`) at prompt slot ``slot`` (over ``mesh``
-    when given); yields ``(first_row, n_real, result)`` per batch (``result`` has ``batch`` rows, the first
-    ``n_real`` real)."""
+def decode_batches(engine: Engine, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, batch: int,
+                   slot: int, seed: int = 0) -> Iterator[tuple[int, int, GenerateResult]]:
+    """Decodes the job in fixed, padded batches (:func:`padded_batches`) at prompt slot ``slot`` on
+    ``engine`` (:meth:`Engine.run`, per-step statistics included); yields ``(first_row, n_real, result)`` per
+    batch (``result`` has ``batch`` rows, the first ``n_real`` real)."""
     start = 0
     for n_real, chunk, rows in padded_batches(prompts, batch):
-        res = generate(params, mcfg, chunk, dcfg, seed=seed, rows=rows, prompt_slot=slot, mesh=mesh)
+        res = engine.run(chunk, dcfg, seed=seed, rows=rows, prompt_slot=slot)
         yield start, n_real, res
         start += n_real

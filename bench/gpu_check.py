@@ -9,12 +9,12 @@ nothing is downloaded), then times one forward of each step kind, batch ``--batc
 * ``lm_head``          final RMSNorm + LM head on the B block rows (measured once, so that the per-layer
                        columns can subtract the head: at 8B it reads 1 GiB of weights per call, more than
                        two layers);
-* ``full``             ``step.full_forward`` over all L rows, cache kept (the block-start pass of Fast-dLLM);
-* ``polestar_start``   Polestar's block-start full pass (``polestar.start_pass``: full forward + k-means of
+* ``full``             ``samplers.full_forward`` over all L rows, cache kept (the block-start pass of Fast-dLLM);
+* ``polestar_start``   Polestar's block-start full pass (``polestar_start.start_pass``: full forward + k-means of
                        the refresh windows + centroid proxy attention); its output state feeds the Polestar
                        steps below, so they run on real clusters and K/V;
-* ``dual_step``        ``step.cached_forward`` with the dual cache: B rows against the cached prefix+suffix;
-* ``polestar_step``    ``polestar.step_forward`` without refresh (B rows + token drift);
+* ``dual_step``        ``samplers.cached_forward`` with the dual cache: B rows against the cached prefix+suffix;
+* ``polestar_step``    ``polestar_step.step_forward`` without refresh (B rows + token drift);
 * ``polestar_refresh_step``  with the sparse refresh (B + R window rows, cluster drift, K/V and hidden-state
                        patches, suffix logits).
 

@@ -91,7 +91,7 @@ def probe(model: str, tasks: Sequence[str], decoders: Sequence[str], n: int, bat
         acc: dict[str, dict] = {t: {"answers": 0, "correct": 0, "count": np.zeros(len(KINDS), int),
                                     "bad": np.zeros(len(KINDS), int), "first": np.zeros(len(KINDS), int)}
                                 for t in tasks}
-        for start, n_real, res in decode_batches(bm.params, bm.mcfg, prompts, dcfg, min(batch, len(items)), slot,
+        for start, n_real, res in decode_batches(bm.engine, prompts, dcfg, min(batch, len(items)), slot,
                                                  seed):
             for r in range(n_real):
                 task, prompt, _ = items[start + r]

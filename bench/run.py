@@ -243,6 +243,7 @@ class RunConfig:
     projection: bool = True  # the H200 / LLaDA-8B roofline projection column
     gpu_check: str = ""  # a bench.gpu_check JSON: its measured step times go next to the projected ones
     mesh: str = ""  # a device mesh, e.g. "data=2,model=4" ("" = one device); FLOPs then from the formula
+    early_exit: bool = True  # rows stop after the first finished block holding a stop token
 
 
 QUICK = RunConfig(n=8, flops=False, repeats=1)
@@ -277,12 +278,13 @@ class _Progress:
         sys.stderr.flush()
 
 
-def decode_config(d: Decoder, gen_length: int, block_length: int) -> DecodeConfig:
-    """The :class:`DecodeConfig` of decoder ``d`` (steps = gen length: llada commits one token per forward)."""
+def decode_config(d: Decoder, gen_length: int, block_length: int, early_exit: bool = True) -> DecodeConfig:
+    """The :class:`DecodeConfig` of decoder ``d`` (steps = gen length: llada commits one token per forward;
+    ``early_exit``: a row stops after the first finished block holding a stop token)."""
     pc = PolestarConfig(**(d.polestar or {}))
     return DecodeConfig(decoder=d.decoder, cache=d.cache, gen_length=gen_length, block_length=block_length,
                         steps=gen_length, threshold=d.threshold, polestar=pc,
-                        step_after_full_pass=d.step_after_full_pass)
+                        step_after_full_pass=d.step_after_full_pass, early_exit=early_exit)
 
 
 def _refresh_widths(dcfg: DecodeConfig) -> np.ndarray:
@@ -294,9 +296,9 @@ def _refresh_widths(dcfg: DecodeConfig) -> np.ndarray:
     return np.asarray(RF.widths(pc, pc.window_rows(dcfg.block_length))[1:])
 
 
-def run_decoder(params, mcfg: ModelConfig, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, str]],
+def run_decoder(engine, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, str]],
                 gen_length: int, block_length: int, batch: int, slot: int, seed: int,
-                bar: Optional[Any] = None, mesh=None) -> dict[str, Any]:
+                bar: Optional[Any] = None, early_exit: bool = True) -> dict[str, Any]:
     """Decodes every (task, prompt, answer) item with decoder ``d`` in batches of ``batch`` rows (the last
     batch padded, so one executable serves the run; item i is row i of the job: see
     :func:`bench.common.decode_batches`; over ``mesh`` when given); returns per-item outputs and counters, the
@@ -307,8 +309,8 @@ def run_decoder(params, mcfg: ModelConfig, tok: Tokenizer, d: Decoder, items: li
     ``step`` (cached forwards without refresh) and ``refresh_rows`` (one entry per Polestar refresh step: the
     window rows it computes per layer at batch 1, mean over layers -- the smallest compiled width that holds
     the row's own selection)."""
-    dcfg = decode_config(d, gen_length, block_length)
-    n_blocks = gen_length // block_length
+    dcfg = decode_config(d, gen_length, block_length, early_exit)
+    mcfg = engine.config
     keys = ("output", "correct", "nfe", "non_eos", "refresh", "steps", "early", "suffix", "full", "windowed",
             "step", "refresh_rows")
     out: dict[str, Any] = {k: [] for k in keys}
@@ -316,13 +318,13 @@ def run_decoder(params, mcfg: ModelConfig, tok: Tokenizer, d: Decoder, items: li
     seconds = compile_s = 0.0
     prompts = [tok.chat_prompt_ids(p) for _, p, _ in items]
     widths = _refresh_widths(dcfg) if d.decoder == "polestar" else None
-    for start, n_real, res in decode_batches(params, mcfg, prompts, dcfg, batch, slot, seed, mesh=mesh):
+    for start, n_real, res in decode_batches(engine, prompts, dcfg, batch, slot, seed):
         seconds += res.seconds
         compile_s += res.compile_seconds
         tokens.append(res.tokens[:n_real])
         for r in range(n_real):
             task, prompt, _ = items[start + r]
-            toks = res.tokens[r]
+            toks = res.row(r).tokens  # the blocks the row decoded (early exit: up to its first stop token's)
             text = T.decode_answer(tok, toks)
             nfe = int(res.nfe[r])
             out["output"].append(text)
@@ -348,7 +350,7 @@ def run_decoder(params, mcfg: ModelConfig, tok: Tokenizer, d: Decoder, items: li
                 out["step"].append(nfe - full - windowed - ref)
                 out["refresh_rows"].append(rows)
             else:
-                full = nfe if d.cache == "none" else n_blocks  # cached decoders start every block fully
+                full = nfe if d.cache == "none" else len(res.row(r).block_nfe)  # cached: a full start per block
                 out["full"].append(full)
                 out["windowed"].append(0)
                 out["step"].append(nfe - full)
@@ -511,8 +513,8 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
     for d, rep in plan:
         if bar is not None:
             bar.update(0, d.name + (f" (repeat {rep + 1})" if rep else ""))
-        res = run_decoder(params, mcfg, tok, d, items, gen_length, block_length, batch, slot, rc.seed, bar,
-                          mesh=mesh)
+        res = run_decoder(bm.engine, tok, d, items, gen_length, block_length, batch, slot, rc.seed, bar,
+                          early_exit=rc.early_exit)
         runs[d.name].append(res["seconds"])
         compile_s[d.name] += res["compile_seconds"]
         if rep == 0:
@@ -902,6 +904,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "--gen-length <gen> --block-length <block>): its measured step times are tabled next "
                          "to the projection")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-early-exit", action="store_true",
+                    help="decode every block of every row (the reference's accounting; default: a row stops "
+                         "after the first finished block that holds a stop token)")
     ap.add_argument("--mesh", default="", help="decode over a device mesh, e.g. data=2,model=4 (with several "
                                                "processes: over all their devices; FLOPs from the matmul formula)")
     cli.add_distributed_flags(ap)
@@ -918,7 +923,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         decoders=tuple(args.decoders.split(",")) if args.decoders else base.decoders, sweep=sweep,
         variants=tuple(args.variant),
         repeats=args.repeats if args.repeats is not None else base.repeats, seed=args.seed,
-        projection=not args.no_projection, gpu_check=args.gpu_check, mesh=args.mesh)
+        projection=not args.no_projection, gpu_check=args.gpu_check, mesh=args.mesh,
+        early_exit=not args.no_early_exit)
     if rc.n <= 0 or rc.batch <= 0 or rc.repeats <= 0:
         print("error: --n, --batch and --repeats must be positive", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ masked tokens (the same scale as the ``1/t``-weighted sum of an independent row)
 
 Row layout (prompt LEFT-aligned): ``[chat prompt ids][answer ids + EOS * (G - len)][pad]``; the pad is hidden
 from attention with ``key_valid``; RoPE positions are ``0..`` per row. This is what
-:func:`polestar_jax.engine.generate` sees at inference (it left-pads prompts but starts every row's
+the engine (:class:`polestar_jax.engine.Engine`) sees at inference (it left-pads prompts but starts every row's
 positions at its first real token and hides the padding), so a trained row and a decoded row look alike.
 
 Tokenizer: the byte-level tokenizer of the bundled model folder (``polestar_jax/assets/tiny_random``:
@@ -385,10 +385,14 @@ def make_train_step(tc: TrainConfig, mcfg: ModelConfig):
 
 def evaluate(params, mcfg: ModelConfig, tok: Tokenizer, n_per_task: int, tc: TrainConfig,
              tasks: Optional[Sequence[str]] = None, eval_batch: int = 144, start: int = 0,
-             return_outputs: bool = False):
+             return_outputs: bool = False, engine=None):
     """Exact match per task on evaluation instances ``start..start+n-1`` (held-out seeds) with the
-    one-token-per-step sampler (``llada``, ``steps = gen_length``, block ``block_length``)."""
-    from polestar_jax.engine import generate
+    one-token-per-step sampler (``llada``, ``steps = gen_length``, block ``block_length``). ``engine``: a
+    :class:`polestar_jax.engine.Engine` of this model's shapes to reuse (its compiled programs) across
+    evaluations; default: a new one."""
+    from polestar_jax.engine import Engine
+
+    engine = engine or Engine(params, mcfg, tok)
 
     tasks = tuple(tasks or tc.eval_tasks or tc.tasks)
     items = [(task, p, a) for task in tasks for p, a in T.eval_instances(task, n_per_task, start)]
@@ -401,8 +405,8 @@ def evaluate(params, mcfg: ModelConfig, tok: Tokenizer, n_per_task: int, tc: Tra
         chunk = items[i:i + eval_batch]
         prompts = [prompt_ids(tok, p) for _, p, _ in chunk]
         prompts += [prompts[0]] * (eval_batch - len(prompts))  # one shape: one compiled executable
-        res = generate(params, mcfg, prompts, dcfg, seed=0, prompt_slot=slot)
-        outputs += [T.decode_answer(tok, res.tokens[r]) for r in range(len(chunk))]
+        res = engine.run(prompts, dcfg, seed=0, prompt_slot=slot, params=params)
+        outputs += [T.decode_answer(tok, res.row(r).tokens) for r in range(len(chunk))]
     hits: dict[str, list[bool]] = defaultdict(list)
     for (task, p, _), out in zip(items, outputs):
         hits[task].append(T.score(task, p, out))
@@ -525,6 +529,7 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
         pending = []
         return rec
 
+    eval_engine = None
     while step < stop:
         batch, rows = make_batch(rng, tc, tok)
         state, loss, row, gnorm = step_fn(state, batch)
@@ -544,7 +549,11 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
                 f"{rec['s_per_step']:.3f}s/step {rec['minutes']:.1f}min | {tl}")
         if eval_every and (step % eval_every == 0 or step == stop) and eval_n > 0:
             t0 = time.perf_counter()
-            acc = evaluate(state["params"], mcfg, tok, eval_n, tc)
+            if eval_engine is None:
+                from polestar_jax.engine import Engine
+
+                eval_engine = Engine(state["params"], mcfg, tok)  # its programs serve every evaluation
+            acc = evaluate(state["params"], mcfg, tok, eval_n, tc, engine=eval_engine)
             meta["evals"].append({"step": step, "n_per_task": eval_n, "acc": acc})
             say(f"eval step {step} ({eval_n}/task, {time.perf_counter() - t0:.0f}s): "
                 + " ".join(f"{k}={v:.2f}" for k, v in acc.items()))

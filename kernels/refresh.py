@@ -1,7 +1,7 @@
 """Data movement of Polestar's sparse refresh: row gather (with int8 dequantisation), row scatter, and the
 centroid shift.
 
-In a refresh step every layer (see :func:`polestar_jax.polestar.step_forward`)
+In a refresh step every layer (see :func:`polestar_jax.polestar_step.step_forward`)
 
 1. gathers the packet rows' stored hidden states (``hs`` [b, R, D], possibly int8 + per-row scales when
    offloaded) -> :func:`gather_rows`;

@@ -1,4 +1,9 @@
-"""polestar-jax: LLaDA diffusion-LM decoding (LLaDA, Fast-dLLM, Polestar) in JAX.
+"""polestar-jax: diffusion-LM decoding in JAX for the LLaDA and Dream model families, with three decoders:
+LLaDA's sampler, Fast-dLLM (threshold / factor rules, prefix and dual KV caches) and Polestar (Polestar-Cache
+and Polestar-Commit on the dual cache).
+
+Entry points: the text API :mod:`polestar_jax.api`, the commands ``python -m polestar_jax.generate`` /
+``.eval`` / ``.crosscheck`` / ``.convert``, and the configs re-exported here (:mod:`polestar_jax.config`).
 
 The package itself imports nothing heavy (the names below load on first use), so ``python -m
 polestar_jax.<command>`` reaches its own interrupt handling before JAX is imported (see

@@ -31,98 +31,40 @@ or the chat end-of-turn token, ``<|eot_id|>`` / ``<|im_end|>``) and decoded with
 from __future__ import annotations
 
 import dataclasses
-import math
-import typing
+import warnings
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
-import numpy as np
 
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
+from polestar_jax.resolve import DECODE_FIELDS, POLESTAR_FIELDS, resolve, type_word  # noqa: F401 (re-exported)
 
 __all__ = ["Model", "Generation", "Generations", "load", "decode_config", "DECODE_FIELDS", "POLESTAR_FIELDS",
            "EOT_TOKEN"]
 
 #: The chat models' end-of-turn token: a stop id like EOS (the response ends there), but counted by TPF.
 EOT_TOKEN = "<|eot_id|>"
-#: DecodeConfig fields accepted as keyword arguments (``polestar`` takes a PolestarConfig).
-DECODE_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig) if f.name != "polestar")
-#: PolestarConfig fields accepted as keyword arguments (decoder ``polestar`` only).
-POLESTAR_FIELDS = tuple(f.name for f in dataclasses.fields(PolestarConfig))
-
-
 def decode_config(defaults: Optional[Mapping[str, int]] = None, polestar: Optional[PolestarConfig] = None,
                   family: Optional[str] = None, **given: Any) -> DecodeConfig:
     """The :class:`DecodeConfig` for the given knobs, with the command line's defaults (the same config as
-    ``python -m polestar_jax.generate`` with the matching flags would use).
+    ``python -m polestar_jax.generate`` with the matching flags would use: both resolve it with
+    :func:`polestar_jax.resolve.resolve`).
 
     ``given``: :data:`DECODE_FIELDS` and :data:`POLESTAR_FIELDS` by name; a knob that is not passed takes its
     default, ``None`` means none (``threshold=None``: the fixed schedule). ``defaults``: the model folder's
     generation defaults (:func:`polestar_jax.checkpoint.generation_defaults`) for ``gen_length`` /
     ``block_length``. ``polestar``: a whole :class:`PolestarConfig` instead of single knobs. ``family``: the
     model family (``ModelConfig.family``), whose Polestar parameters (``Family.polestar_defaults``, e.g.
-    Dream's) replace the defaults of the knobs not given.
+    Dream's) replace the defaults of the knobs not given. What the resolution changed (a block length cut
+    to a short gen length) is reported with :func:`warnings.warn`.
     Raises :class:`PolestarError` (a one-line message) for unknown names, knobs that would have no effect
     and values the configs reject."""
-    defaults = dict(defaults or {})
-    unknown = sorted(set(given) - set(DECODE_FIELDS) - set(POLESTAR_FIELDS))
-    if unknown:
-        raise PolestarError(f"unknown decoder setting(s) {', '.join(unknown)} (known: "
-                            f"{', '.join(DECODE_FIELDS + POLESTAR_FIELDS)})")
-    dec = {k: v for k, v in given.items() if k in DECODE_FIELDS}
+    dec = {k: v for k, v in given.items() if k not in POLESTAR_FIELDS}
     knobs = {k: v for k, v in given.items() if k in POLESTAR_FIELDS}
-    decoder = dec.get("decoder", "polestar")
-    if polestar is not None and knobs:
-        raise PolestarError("give either polestar=PolestarConfig(...) or single Polestar knobs, not both")
-    if (knobs or (polestar is not None and polestar != PolestarConfig())) and decoder != "polestar":
-        names = ", ".join(sorted(knobs)) or "polestar"
-        raise PolestarError(f"{names}: Polestar settings apply to decoder polestar only (decoder is {decoder})")
-    dec.setdefault("cache", "none" if decoder == "llada" else "dual")
-    if decoder == "llada" or dec.get("factor") is not None:
-        dec.setdefault("threshold", None)
-    fixed = decoder == "llada" or ("threshold" in dec and dec["threshold"] is None and dec.get("factor") is None)
-    if dec.get("steps") is not None and not fixed:
-        raise PolestarError("steps applies to the fixed schedule only (decoder llada, or fastdllm with "
-                            "threshold=None)")
-    gen = dec.get("gen_length") or defaults.get("gen_length", 128)
-    if dec.get("block_length") is None:
-        dec["block_length"] = min(defaults.get("block_length", 32), gen)
-    dec["gen_length"] = gen
-    dec["decoder"] = decoder
-    _check_types(dec, DecodeConfig)
-    if polestar is None:
-        from polestar_jax.family import polestar_config_for
-
-        polestar = polestar_config_for(family, decoder, **_check_types(knobs, PolestarConfig))
-    return DecodeConfig(**dec, polestar=polestar)
-
-
-def _check_types(values: dict, cls) -> dict:
-    """One-line errors for values of the wrong type (a string where a number belongs, ...)."""
-    hints = typing.get_type_hints(cls)
-    for name, v in values.items():
-        tp = hints[name]
-        ok = {int: lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool),
-              float: lambda x: isinstance(x, (int, float, np.number)) and not isinstance(x, bool),
-              bool: lambda x: isinstance(x, (bool, np.bool_)),
-              str: lambda x: isinstance(x, str)}
-        base = tp
-        if typing.get_origin(tp) is Union:
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if v is None:
-                continue
-            base = args[0]
-        if isinstance(base, type) and issubclass(base, str):  # str and the configs' modes (str enums)
-            base = str
-        check = ok.get(base)
-        if check is not None and not check(v):
-            raise PolestarError(f"{name} must be {type_word(base)}, got {v!r}")
-    return values
-
-
-def type_word(tp) -> str:
-    """How an error message names the type ``tp`` ("an integer", "a number", "true or false", "a string")."""
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    out = resolve(dec, knobs, defaults, family=family, polestar=polestar)
+    for note in out.notes:
+        warnings.warn(note, stacklevel=2)
+    return out.decode
 
 
 @dataclasses.dataclass
@@ -130,12 +72,13 @@ class Generation:
     """One decoded prompt.
 
     text            the response: generated ids up to the first end-of-text id, decoded without special tokens
-    token_ids       all ``gen_length`` generated ids
+    token_ids       the generated ids of the blocks decoded (all ``gen_length`` of them without early exit)
     response_ids    the ids of ``text``
     nfe             forwards (network function evaluations) of this row
     non_eos_tokens  generated ids that are not EOS / pad (TPF's numerator)
     tpf             non_eos_tokens / nfe
-    tps             tokens/s of the batch this row was decoded in (its rows decode together)
+    tps             tokens/s of the job this row was decoded in
+    finish_reason   "stop" (a stop token ended the response) or "length"
     row             the row index in the job (its randomness comes from (seed, row))
     stats           decoder polestar: refresh_steps, early_commits, suffix_commits, windowed_passes; else {}
     prompt          the prompt text (None when decoded from ids)
@@ -151,6 +94,7 @@ class Generation:
     row: int
     stats: dict = dataclasses.field(default_factory=dict)
     prompt: Optional[str] = None
+    finish_reason: str = "length"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,7 +106,7 @@ class Generations(Sequence[Generation]):
 
     seconds          decode-loop seconds of all batches (first dispatch to results on the host), compile apart
     compile_seconds  seconds spent compiling (0 when every executable was already compiled or cached)
-    batches          batches decoded
+    batches          batches the job would take in fixed batches (prompts / batch size, rounded up)
     """
 
     rows: list[Generation]
@@ -210,16 +154,6 @@ class Generations(Sequence[Generation]):
                 "block_length": self.decode.block_length}
 
 
-def padded_batches(n: int, batch: int) -> Iterator[tuple[list[int], int]]:
-    """Job rows ``0..n-1`` in batches of exactly ``batch`` rows: ``(rows, n_real)``, the last batch padded
-    with copies of its first row (a padding row computes what that row computes, and is dropped)."""
-    if batch < 1:
-        raise PolestarError(f"batch size must be >= 1, got {batch}")
-    for i in range(0, n, batch):
-        rows = list(range(i, min(n, i + batch)))
-        yield rows + [rows[0]] * (batch - len(rows)), len(rows)
-
-
 class Model:
     """A loaded model folder: parameters, tokenizer (with its chat template) and generation defaults.
 
@@ -228,12 +162,17 @@ class Model:
     mesh:           shard over a device mesh: ``"data=2,model=4"`` or a ``jax.sharding.Mesh``; a string first
                     joins the multi-process runtime the environment describes
                     (:func:`polestar_jax.sharding.join_runtime`), so the mesh spans every process's devices
-    compile_cache:  turn on the persistent compilation cache (:mod:`polestar_jax.cache`; also off with
-                    ``POLESTAR_JAX_CACHE=off``)
+    compile_cache:  turn on JAX's persistent compilation cache for this process (:mod:`polestar_jax.cache`;
+                    a process-wide setting, so off unless asked; the command lines ask; ``POLESTAR_JAX_CACHE=off``
+                    keeps it off)
+    log:            called with a line before and after each compile (:class:`polestar_jax.engine.Engine`)
+
+    ``model.engine`` is the :class:`~polestar_jax.engine.Engine` every call decodes on (it keeps the compiled
+    programs; ``model.engine.clear()`` drops them).
     """
 
     def __init__(self, path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
-                 compile_cache: bool = True):
+                 compile_cache: bool = False, log: Optional[Any] = None):
         from polestar_jax import cli
         from polestar_jax.tokenizer import bundled_model_dir
 
@@ -259,11 +198,14 @@ class Model:
         self.config, self.params = load_model(self.path, dtype=dtype, shardings=mesh)
         self.dtype = dtype
         self.tokenizer = load_tokenizer(self.path)
-        cfg = self.config
+        from polestar_jax.engine import Engine
+
+        self.engine = Engine(self.params, self.config, self.tokenizer, mesh=mesh, log=log)
+        self.params = self.engine.params
         #: ids that end a response (EOS, pad, the chat end-of-turn token: <|eot_id|>, <|im_end|>)
-        self.stop_ids = frozenset({cfg.eos_token_id, cfg.pad_token_id}) | self.tokenizer.end_of_turn_ids
+        self.stop_ids = self.engine.stop_ids
         #: ids TPF does not count (EOS, pad), as bench.run and the paper
-        self.eos_ids = frozenset({cfg.eos_token_id, cfg.pad_token_id})
+        self.eos_ids = self.engine.eos_ids
 
     def __repr__(self) -> str:
         return f"Model({self.path!r}, layers={self.config.n_layers}, d_model={self.config.d_model})"
@@ -307,71 +249,32 @@ class Model:
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], dcfg: DecodeConfig, *, seed: int = 0,
                      rows: Optional[Sequence[int]] = None, batch_size: Optional[int] = None,
-                     prompt_slot: Optional[int] = None, pad_multiple: int = 16,
-                     prompts: Optional[Sequence[str]] = None) -> Generations:
-        """Decodes token-id prompts with ``dcfg``. ``rows``: each prompt's row index in the job (default
-        ``0..n-1``; its randomness comes from (seed, row)). ``prompt_slot``: the padded prompt length of
-        every batch (default: the longest prompt rounded up to ``pad_multiple``), so batches share one
-        executable."""
-        from polestar_jax.engine import generate
-
+                     prompt_slot: Optional[int] = None, prompts: Optional[Sequence[str]] = None) -> Generations:
+        """Decodes token-id prompts with ``dcfg`` as one continuous job on :attr:`engine` (a batch of
+        ``batch_size`` rows, default all, kept full: a finished row's slot takes the next prompt).
+        ``rows``: each prompt's row index in the job (default ``0..n-1``; its randomness comes from
+        (seed, row)). ``prompt_slot``: the padded prompt length (default: the longest prompt rounded up to
+        16)."""
         n = len(prompt_ids)
         if n == 0:
             raise PolestarError("no prompt given")
-        rows = list(range(n)) if rows is None else [int(r) for r in rows]
-        if len(rows) != n:
-            raise PolestarError(f"rows has {len(rows)} entries for {n} prompts")
-        slot = prompt_slot or pad_multiple * math.ceil(max(len(p) for p in prompt_ids) / pad_multiple)
-        out: list[Optional[Generation]] = [None] * n
-        seconds = compile_seconds = 0.0
-        batches = 0
-        for idx, n_real in padded_batches(n, batch_size or n):
-            res = generate(self.params, self.config, [prompt_ids[i] for i in idx], dcfg, seed=seed,
-                           rows=[rows[i] for i in idx], prompt_slot=slot, mesh=self.mesh)
-            seconds += res.seconds
-            compile_seconds += res.compile_seconds
-            batches += 1
-            rows_out = [self._row(res, r, rows[idx[r]], prompts[idx[r]] if prompts else None)
-                        for r in range(n_real)]
-            tokens = sum(g.non_eos_tokens for g in rows_out)
-            tps = tokens / res.seconds if res.seconds > 0 else 0.0
-            for r, g in enumerate(rows_out):
-                g.tps = tps
-                out[idx[r]] = g
-        return Generations(rows=out, decode=dcfg, seconds=seconds, compile_seconds=compile_seconds,  # type: ignore[arg-type]
-                           batches=batches)
+        job = self.engine.generate(prompt_ids, dcfg, seed=seed, rows=rows, batch_size=batch_size,
+                                   prompt_slot=prompt_slot)
+        out = [self._row(r, job.rows[i].index, prompts[i] if prompts else None) for i, r in enumerate(job.rows)]
+        tokens = sum(g.non_eos_tokens for g in out)
+        for g in out:
+            g.tps = tokens / job.seconds if job.seconds > 0 else 0.0
+        return Generations(rows=out, decode=dcfg, seconds=job.seconds, compile_seconds=job.compile_seconds,
+                           batches=-(-n // job.batch_size))
 
-    def _row(self, res, r: int, row: int, prompt: Optional[str]) -> Generation:
-        gen = [int(t) for t in res.tokens[r]]
-        resp = []
-        for t in gen:
-            if t in self.stop_ids:
-                break
-            resp.append(t)
-        non_eos = sum(1 for t in gen if t not in self.eos_ids)
-        nfe = int(res.nfe[r])
-        stats = {}
-        if res.polestar is not None:
-            stats = polestar_stats(res.polestar, r)
-        return Generation(text=self.tokenizer.decode(resp), token_ids=gen, response_ids=resp, nfe=nfe,
-                          non_eos_tokens=non_eos, tpf=non_eos / nfe if nfe else 0.0, tps=0.0, row=row,
-                          stats=stats, prompt=prompt)
-
-
-def polestar_stats(ps: Mapping[str, Any], r: int) -> dict:
-    """Row ``r``'s Polestar counters from :attr:`GenerateResult.polestar`: refresh steps, early and suffix
-    commits, windowed block starts."""
-    def total(*names):
-        for n in names:
-            if n in ps:
-                return int(np.asarray(ps[n])[r].sum())
-        return 0
-
-    return {"refresh_steps": total("refresh_steps", "cluster_steps"), "early_commits": total("early"),
-            "suffix_commits": total("suffix"), "windowed_passes": total("windowed", "efficient")}
+    def _row(self, r, row: int, prompt: Optional[str]) -> Generation:
+        c = self.engine.completion(r)
+        return Generation(text=self.tokenizer.decode(c.response_ids), token_ids=[int(t) for t in r.tokens],
+                          response_ids=c.response_ids, nfe=c.nfe, non_eos_tokens=c.non_eos_tokens, tpf=c.tpf,
+                          tps=0.0, row=row, stats=c.stats, prompt=prompt, finish_reason=c.finish_reason)
 
 
 def load(path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
-         compile_cache: bool = True) -> Model:
+         compile_cache: bool = False, log: Optional[Any] = None) -> Model:
     """Loads a model folder (None: the bundled ``tiny_tasks`` model); see :class:`Model`."""
-    return Model(path, dtype=dtype, mesh=mesh, compile_cache=compile_cache)
+    return Model(path, dtype=dtype, mesh=mesh, compile_cache=compile_cache, log=log)

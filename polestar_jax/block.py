@@ -16,174 +16,120 @@ per-block NFE. The policies live in :mod:`polestar_jax.samplers` (LLaDA, Fast-dL
 """
 from __future__ import annotations
 
-import dataclasses
-import importlib
-from typing import Any, Callable, NamedTuple, Optional
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
-from polestar_jax.state import DecodeState
+from polestar_jax import offload, polestar, samplers
+from polestar_jax.policy import (BlockCtx, EngineSpec, Knobs, Policy, block_start_position,  # noqa: F401 (re-exported)
+                                 context, live_rows, write_commits)
+from polestar_jax.rows import ROWS, batch_any
+from polestar_jax.state import DecodeState, axes_of, select_rows
 
-#: decoder name -> module whose ``POLICY`` implements it.
-POLICIES = {"llada": "polestar_jax.samplers", "fastdllm": "polestar_jax.samplers",
-            "polestar": "polestar_jax.polestar"}
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSpec:
-    """The structural (compile-time) part of a decode configuration. Float knobs are passed as
-    :class:`Knobs` so that changing a threshold does not recompile. ``unroll``: how the layer scans
-    unroll (1: a loop; True: fully, which XLA's cost analysis needs to count every layer)."""
-
-    model: ModelConfig
-    decoder: str
-    cache: str
-    rule: str
-    gen_length: int
-    block_length: int
-    steps_per_block: int
-    stochastic: bool  # temperature > 0
-    random_remask: bool
-    step_after_full_pass: bool = True
-    polestar: Optional[PolestarConfig] = None  # set for decoder "polestar"
-    unroll: int | bool = 1
-    start_commit: str = "rule"  # DecodeConfig.start_commit
-    schedule: str = "even"  # DecodeConfig.schedule (fixed rule)
-    rank_by: str = "confidence"  # DecodeConfig.rank_by (fixed rule)
-    schedule_eps: float = 1e-3  # DecodeConfig.schedule_eps
-
-    @classmethod
-    def from_config(cls, mcfg: ModelConfig, dcfg: DecodeConfig, unroll: int | bool = 1) -> "EngineSpec":
-        return cls(model=mcfg, decoder=dcfg.decoder, cache=dcfg.cache, rule=dcfg.rule,
-                   gen_length=dcfg.gen_length, block_length=dcfg.block_length,
-                   steps_per_block=dcfg.steps_per_block, stochastic=dcfg.temperature > 0,
-                   random_remask=dcfg.remasking == "random",
-                   step_after_full_pass=dcfg.step_after_full_pass,
-                   polestar=dcfg.polestar if dcfg.decoder == "polestar" else None, unroll=unroll,
-                   start_commit=str(dcfg.start_commit), schedule=str(dcfg.schedule), rank_by=str(dcfg.rank_by),
-                   schedule_eps=float(dcfg.schedule_eps))
-
-
-class Knobs(NamedTuple):
-    """Run-time scalars of a decode configuration (float32 arrays)."""
-
-    threshold: jax.Array
-    factor: jax.Array
-    temperature: jax.Array
-
-    @classmethod
-    def from_config(cls, dcfg: DecodeConfig) -> "Knobs":
-        f = lambda v: jnp.float32(0.0 if v is None else v)
-        return cls(f(dcfg.threshold), f(dcfg.factor), f(dcfg.temperature))
-
-
-class BlockCtx(NamedTuple):
-    """What every policy function of one block sees (built once per block)."""
-
-    params: Any
-    spec: EngineSpec
-    knobs: Knobs
-    replay: Any  # Polestar decisions from a PyTorch trace, or None
-    block_idx: jax.Array  # [] int32
-    cs: jax.Array  # [] int32 absolute position of the block's first token
-    n_masked0: jax.Array  # [b] int32 masks in the block when it started
-
-    @property
-    def block(self) -> int:
-        return self.spec.block_length
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.spec.model
-
-    def rows(self, a: jax.Array) -> jax.Array:
-        """The block's slice [b, B, ...] of a [b, L, ...] array."""
-        return lax.dynamic_slice_in_dim(a, self.cs, self.block, axis=1)
-
-    def masked(self, state: DecodeState) -> jax.Array:
-        """[b, B] bool: the block's positions still masked."""
-        return self.rows(state.x) == self.cfg.mask_token_id
-
-
-class Policy(NamedTuple):
-    """A decoding policy (see the module docstring)."""
-
-    start: Callable[[BlockCtx, DecodeState], DecodeState]
-    active: Callable[[BlockCtx, DecodeState, jax.Array], jax.Array]
-    step: Callable[[BlockCtx, DecodeState, jax.Array, jax.Array], tuple[DecodeState, Any]]
-    bound: Callable[[BlockCtx], int]
-    empty_stats: Callable[[BlockCtx, int], Any]
+#: decoder name -> its :class:`Policy` (a new policy: one module and one entry here).
+POLICIES: dict[str, Policy] = {**samplers.POLICIES, **polestar.POLICIES}
 
 
 def policy_for(decoder: str) -> Policy:
     """The :class:`Policy` of ``decoder`` (a key of :data:`POLICIES`)."""
-    return importlib.import_module(POLICIES[decoder]).POLICIES[decoder]
+    return POLICIES[decoder]
 
 
-def block_start_position(state: DecodeState, spec: EngineSpec, block_idx) -> jax.Array:
-    """Absolute position of block ``block_idx``'s first token (the prompt slot comes first)."""
-    return jnp.asarray((state.x.shape[1] - spec.gen_length) + block_idx * spec.block_length, jnp.int32)
-
-
-def write_commits(state: DecodeState, transfer: jax.Array, x0: jax.Array, start=None,
-                  positions: Optional[jax.Array] = None, count: Optional[jax.Array] = None) -> DecodeState:
-    """The commit writer: positions where ``transfer`` [b, T] is True take ``x0`` [b, T] and record the row's
-    current forward number as their commit step. The T positions are ``start .. start+T-1`` (a block) or
-    ``positions`` [b, T] / [T] (anywhere; out-of-range positions are dropped). ``count`` [b] bool: the rows
-    whose forward count this write closes (``nfe += 1``); None leaves ``nfe`` alone."""
-    if positions is None:
-        t = transfer.shape[1]
-        old_x = lax.dynamic_slice_in_dim(state.x, start, t, axis=1)
-        old_c = lax.dynamic_slice_in_dim(state.commit_step, start, t, axis=1)
-        x = lax.dynamic_update_slice_in_dim(state.x, jnp.where(transfer, x0, old_x), start, axis=1)
-        cstep = jnp.where(transfer, state.nfe[:, None], old_c)
-        commit_step = lax.dynamic_update_slice_in_dim(state.commit_step, cstep, start, axis=1)
-    else:
-        idx = jnp.where(transfer, positions, state.x.shape[1])
-        bi = jnp.arange(state.x.shape[0])[:, None]
-        x = state.x.at[bi, idx].set(x0, mode="drop")
-        commit_step = state.commit_step.at[bi, idx].set(jnp.broadcast_to(state.nfe[:, None], idx.shape),
-                                                        mode="drop")
-    nfe = state.nfe if count is None else state.nfe + count.astype(jnp.int32)
-    return state.replace(x=x, commit_step=commit_step, nfe=nfe)
-
-
-def context(params, state: DecodeState, block_idx, knobs: Knobs, replay, spec: EngineSpec) -> BlockCtx:
-    """The :class:`BlockCtx` of block ``block_idx`` for ``state`` (as the block program builds it)."""
-    cs = block_start_position(state, spec, block_idx)
-    n_masked0 = jnp.sum(lax.dynamic_slice_in_dim(state.x, cs, spec.block_length, axis=1)
-                        == spec.model.mask_token_id, axis=1).astype(jnp.int32)
-    return BlockCtx(params, spec, knobs, replay, jnp.asarray(block_idx, jnp.int32), cs, n_masked0)
-
-
-def decode_block(params, state: DecodeState, block_idx, knobs: Knobs, replay, spec: EngineSpec):
-    """Decodes block ``block_idx`` (a traced int32) of every row with ``spec.decoder``'s policy: its start,
-    then its steps in a bounded ``lax.while_loop`` while any row is active. Returns ``(state, stats)``:
-    ``stats`` holds the policy's per-step statistics with a leading step axis (None for policies that
-    record none); the state's ``block_nfe`` gets the forwards each row spent on the block."""
+def row_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec):
+    """Decodes the next block (``state.block``) of the rows of ``state`` that are live (:func:`live_rows`)
+    with ``spec.decoder``'s policy: its start, then its steps in a bounded ``lax.while_loop`` while any row
+    is active; then advances the rows' block counters and marks a row stopped when the finished block holds
+    one of ``spec.stop_ids`` (early exit). Every live row of ``state`` sits at the same block (the block
+    program calls this once per row, or once for a batch in lockstep: :func:`decode_block`). Returns ``(state, stats)``: ``stats`` holds the
+    policy's per-step statistics with a leading step axis (None for policies that record none); the
+    state's ``block_nfe`` gets the forwards each row spent on the block."""
     policy = policy_for(spec.decoder)
-    ctx = context(params, state, block_idx, knobs, replay, spec)
-    nfe_before = state.nfe
-    state = policy.start(ctx, state)
+    live = live_rows(state)
+    # every live row sits at the same block (one row per call, or a batch in lockstep: rows that stopped early
+    # or ended lag behind, and are not live)
+    ctx = context(params, state, jnp.max(state.block), knobs, replay, spec, live)
     bound = policy.bound(ctx)
 
-    def cond(carry):
-        s, i, _ = carry
-        return jnp.any(policy.active(ctx, s, i)) & (i < bound)
+    def run(state):
+        nfe_before = state.nfe
+        state = policy.start(ctx, state)
 
-    def body(carry):
-        s, i, stats = carry
-        s, st = policy.step(ctx, s, i, policy.active(ctx, s, i))
-        if stats is not None:
-            stats = jax.tree.map(lambda buf, v: buf.at[i].set(v), stats, st)
-        return s, i + 1, stats
+        def cond(carry):
+            s, i, _ = carry
+            # batch-wide (a row that is done waits unchanged: the policies select per row), so that no
+            # per-row select of the whole carry (the Polestar store may live in host memory) is needed
+            return batch_any(policy.active(ctx, s, i) & live) & (i < bound)
 
-    state, _, stats = lax.while_loop(cond, body, (state, jnp.int32(0), policy.empty_stats(ctx, bound)))
-    block_nfe = state.block_nfe.at[:, block_idx].set(state.nfe - nfe_before)
-    return state.replace(block_nfe=block_nfe), stats
+        def body(carry):
+            s, i, stats = carry
+            s, st = policy.step(ctx, s, i, policy.active(ctx, s, i) & live)
+            if stats is not None:
+                stats = jax.tree.map(lambda buf, v: buf.at[i].set(v), stats, st)
+            return s, i + 1, stats
+
+        state, _, stats = lax.while_loop(cond, body, (state, jnp.int32(0), policy.empty_stats(ctx, bound)))
+        block_nfe = state.block_nfe.at[:, ctx.block_idx].set(state.nfe - nfe_before, mode="drop")
+        return state.replace(block_nfe=block_nfe), stats
+
+    def skip(s):  # no live row: the state as it is (Polestar's store where the decode keeps it: host memory)
+        if s.polestar is not None and spec.polestar is not None:
+            pol = s.polestar
+            s = s.replace(polestar=pol.replace(hs=offload.to_host(pol.hs, spec.polestar),
+                                               hs_scale=offload.to_host(pol.hs_scale, spec.polestar)))
+        return s, policy.empty_stats(ctx, bound)
+
+    new, stats = lax.cond(batch_any(live), run, skip, state)
+    new = select_rows(live, new, state)
+    stop = state.stop
+    if spec.stop_ids:  # early exit: a finished block never changes, and the response ends at its first stop token
+        blk = ctx.rows(new.x)
+        hit = jnp.any(jnp.isin(blk, jnp.asarray(spec.stop_ids, blk.dtype)), axis=1)
+        stop = stop | (live & hit & ~jnp.any(blk == spec.model.mask_token_id, axis=1))
+    return new.replace(block=state.block + live.astype(jnp.int32), stop=stop), stats
+
+
+def _split_rows(tree, axes_tree, b: int, pc=None):
+    """Every leaf's batch axis ``ax`` split into (b, 1), so a per-row function sees a batch of one. (Leaves
+    declared ``select=False``, Polestar's store, are reshaped where they live: host memory when offloaded.)"""
+    def split(a, ax):
+        return offload.reshape(a, a.shape[:ax.batch] + (b, 1) + a.shape[ax.batch + 1:], None if ax.select else pc)
+
+    return jax.tree.map(split, tree, axes_tree)
+
+
+def _merge_rows(tree, axes_tree, b: int, pc=None):
+    def merge(a, ax):
+        return offload.reshape(a, a.shape[:ax.batch] + (b,) + a.shape[ax.batch + 2:], None if ax.select else pc)
+
+    return jax.tree.map(merge, tree, axes_tree)
+
+
+def decode_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec):
+    """The block program: one block of every live row, each row at its own block (``state.block``).
+
+    With ``spec.per_row`` (a running batch that takes rows at any block boundary): a ``jax.vmap`` of
+    :func:`row_block` over the rows (axis :data:`polestar_jax.rows.ROWS`): a row computes what it would alone,
+    whatever block the other rows are at; the few batch-wide branch decisions (:mod:`polestar_jax.rows`) keep
+    real branches. Without it (a fixed batch whose rows start together): :func:`row_block` over the whole
+    batch, which compiles faster; the rows compute the same. ``knobs`` leaves are scalars (shared) or [b] (per row).
+    Returns ``(state, stats)``; ``stats`` leaves [steps, b, ...] (None for policies that record none)."""
+    if not spec.per_row:  # a batch in lockstep: one program over the whole batch (a shorter compile)
+        return row_block(params, state, knobs, replay, spec)
+    b = state.x.shape[0]
+    st_axes, rp_axes = axes_of(state), (None if replay is None else axes_of(replay))
+    knob_axes = jax.tree.map(lambda a: 0 if jnp.ndim(a) else None, knobs)
+
+    def one(s, k, r):
+        return row_block(params, s, k, r, spec)
+
+    in_axes = (jax.tree.map(lambda ax: ax.batch, st_axes), knob_axes,
+               None if replay is None else jax.tree.map(lambda ax: ax.batch, rp_axes))
+    out_st, stats = jax.vmap(one, in_axes=(in_axes[0], in_axes[1], in_axes[2]),
+                             out_axes=(in_axes[0], 1), axis_name=ROWS)(
+        _split_rows(state, st_axes, b, spec.polestar), knobs,
+        None if replay is None else _split_rows(replay, rp_axes, b))
+    stats = None if stats is None else jax.tree.map(lambda a: a.reshape(a.shape[:1] + (b,) + a.shape[3:]), stats)
+    return _merge_rows(out_st, st_axes, b, spec.polestar), stats
 
 
 run_block_jit = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",))

@@ -71,21 +71,15 @@ def guard_compile_cache_writes() -> None:
 
     JAX writes a cache entry with one ``write_bytes`` call; the entry's write is wrapped in
     :func:`writing` (the interrupt handler waits for it). A no-op where JAX's cache class is not found."""
-    try:
-        from jax._src import lru_cache
-    except ImportError:  # pragma: no cover - other JAX layouts
-        return
-    cls = getattr(lru_cache, "LRUCache", None)
-    put = getattr(cls, "put", None)
-    if put is None or getattr(put, "_polestar_guarded", False):
-        return
+    from polestar_jax import compat
 
-    def guarded_put(self, key, value):
-        with writing():
-            return put(self, key, value)
+    def wrap(put):
+        def guarded_put(self, key, value):
+            with writing():
+                return put(self, key, value)
+        return guarded_put
 
-    guarded_put._polestar_guarded = True  # type: ignore[attr-defined]
-    cls.put = guarded_put
+    compat.wrap_compile_cache_put(wrap)
 
 
 def _on_interrupt(signum, frame) -> None:  # runs in the main thread

@@ -148,7 +148,7 @@ def timestep_schedule(n_masked: jax.Array, steps: int, i: jax.Array, eps: float)
     """Dream's fixed schedule: tokens to commit at step ``i`` of a block of ``steps`` steps when
     ``n_masked`` [b] masks are left: ``int(n * (1 - s / t))`` with ``t, s`` = timesteps ``i, i + 1`` of
     :func:`timesteps` (float32 as the reference), and all ``n`` from step ``steps - 1`` on (the reference
-    stops at step ``steps`` even with masks left, J5; here the block always fills)."""
+    stops at step ``steps`` even with masks left; here the block always fills: ``docs/differences.md#d28``)."""
     ts = jnp.asarray(timesteps(steps, eps))
     j = jnp.clip(i, 0, steps - 1)
     ratio = jnp.float32(1.0) - ts[j + 1] / ts[j]

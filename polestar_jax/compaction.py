@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from polestar_jax.rows import batch_max
+
 from polestar_jax.config import PolestarConfig
 
 T = TypeVar("T")
@@ -68,7 +70,7 @@ def spread_rows(rows: jax.Array, idx: jax.Array, valid: jax.Array, n_rows: int, 
 
 def _branch(counts: jax.Array, ws: Sequence[int]) -> jax.Array:
     """Index into ``ws`` of the smallest width holding ``max(counts)`` (int32 scalar)."""
-    return jnp.sum(jnp.asarray(ws[:-1], jnp.int32) < jnp.max(counts)).astype(jnp.int32)
+    return jnp.sum(jnp.asarray(ws[:-1], jnp.int32) < batch_max(counts)).astype(jnp.int32)
 
 
 def chosen_width(counts: jax.Array, ws: Sequence[int]) -> jax.Array:

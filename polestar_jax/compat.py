@@ -34,7 +34,8 @@ import jax
 from jax.experimental.compute_on import compute_on as _compute_on
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "COMPUTE_ON_KEYWORD_ONLY", "ABSTRACT_GPU_KIND", "parse_version",
-           "compute_on_host", "lowering_target", "export", "versions", "version_line"]
+           "compute_on_host", "lowering_target", "export", "versions", "version_line", "distributed_joined",
+           "cluster_env_types", "backends_initialized", "wrap_compile_cache_put"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -149,3 +150,55 @@ def version_line() -> str:
 
 if __name__ == "__main__":
     print(version_line())
+
+
+# ---------------------------------------------------------------------------- JAX internals (jax._src)
+# Every use of ``jax._src`` lives here: each is optional, and a JAX layout without it degrades to "unknown".
+
+def distributed_joined() -> bool:
+    """Whether this process joined a multi-process runtime (``jax.distributed``)."""
+    is_init = getattr(jax.distributed, "is_initialized", None)
+    if is_init is not None:
+        return bool(is_init())
+    from jax._src import distributed  # older JAX
+
+    return distributed.global_state.client is not None
+
+
+def cluster_env_types() -> list:
+    """JAX's registry of cluster environments that ``jax.distributed.initialize()`` auto-detects (SLURM,
+    Open MPI, Cloud TPU, Kubernetes; opt-in ones excluded); empty when this JAX has none we can read."""
+    try:
+        from jax._src import clusters
+
+        return [c for c in clusters.ClusterEnv._cluster_types if not getattr(c, "opt_in_only_method", False)]
+    except Exception:  # noqa: BLE001 - another JAX layout: no auto-detection
+        return []
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has set up its backends in this process (False when this JAX cannot tell)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def wrap_compile_cache_put(wrap: Callable) -> bool:
+    """Replaces the persistent compilation cache's ``put`` with ``wrap(put)`` once (idempotent); False when
+    this JAX's cache class is not found."""
+    try:
+        from jax._src import lru_cache
+    except ImportError:  # pragma: no cover - other JAX layouts
+        return False
+    cls = getattr(lru_cache, "LRUCache", None)
+    put = getattr(cls, "put", None)
+    if put is None:
+        return False
+    if not getattr(put, "_polestar_guarded", False):
+        new = wrap(put)
+        new._polestar_guarded = True
+        cls.put = new
+    return True

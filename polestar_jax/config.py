@@ -1,7 +1,12 @@
 """Configurations as frozen dataclasses.
 
 * :class:`ModelConfig`: a LLaDA or Dream model's shapes and ids, read from a Hugging Face ``config.json``.
-* :class:`DecodeConfig`: which decoder runs (``llada``, ``fastdllm``) and its knobs.
+* :class:`DecodeConfig`: which decoder runs (``llada``, ``fastdllm`` or ``polestar``) and its knobs.
+* :class:`PolestarConfig`: the knobs of Polestar-Cache and Polestar-Commit (``DecodeConfig.polestar``).
+* :class:`Mode` and its str enums (:class:`Decoder`, :class:`Cache`, ...): the allowed values of the mode fields.
+
+Every knob's help text, flag and defaults (:func:`knob`) also build the command-line flags
+(:func:`polestar_jax.cli.add_config_flags`) and ``docs/configuration.md`` (``python docs/make_configuration.py``).
 """
 from __future__ import annotations
 
@@ -49,10 +54,13 @@ def _check_fields(d: dict, source: str, required: Sequence[str], values: dict) -
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a LLaDA model (``block_type=llama``).
+    """Shapes and ids of a model of either family: LLaDA (``block_type=llama``) or Dream (Qwen2 layout);
+    ``family`` names it (:data:`polestar_jax.family.FAMILIES`).
 
-    Attributes mirror the HF ``config.json`` of LLaDA-8B-Instruct; ``embedding_size`` is the number of rows
-    of the embedding and LM-head matrices (>= ``vocab_size``).
+    Attribute names follow the HF ``config.json`` of LLaDA-8B-Instruct; :meth:`from_dict` maps a Dream
+    ``config.json`` onto them (``hidden_size`` -> ``d_model``, ``num_attention_heads`` -> ``n_heads``, ...,
+    ``include_qkv_bias=True``). ``embedding_size`` is the number of rows of the embedding and LM-head
+    matrices (>= ``vocab_size``).
     """
 
     d_model: int
@@ -70,6 +78,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     include_qkv_bias: bool = False
     family: str = "llada"  # the model family (polestar_jax.family.FAMILIES)
+
+    def __post_init__(self):
+        self.validate("ModelConfig")
 
     @property
     def head_dim(self) -> int:
@@ -182,8 +193,11 @@ class ModelConfig:
             raise ConfigError(f"{source}: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.embedding_size < self.vocab_size:
             raise ConfigError(f"{source}: embedding_size {self.embedding_size} < vocab_size {self.vocab_size}")
-        if not 0 <= self.mask_token_id < self.embedding_size:
-            raise ConfigError(f"{source}: mask_token_id {self.mask_token_id} outside the embedding")
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+            if not 0 <= getattr(self, name) < self.embedding_size:
+                raise ConfigError(f"{source}: {name} {getattr(self, name)} outside the embedding")
+        if self.max_sequence_length <= 0:
+            raise ConfigError(f"{source}: max_sequence_length must be positive, got {self.max_sequence_length}")
 
     def to_hf_dict(self) -> dict:
         """The HF ``config.json`` fields this config was read from (enough to load it again)."""
@@ -249,6 +263,36 @@ class Kernels(Mode):
     pallas = "pallas"
     interpret = "interpret"
     reference = "reference"
+
+
+class ProxyScore(Mode):
+    heads = "heads"
+    mean = "mean"
+
+
+class PatchKV(Mode):
+    packet = "packet"
+    clustered = "clustered"
+
+
+class TieBreak(Mode):
+    lowest = "lowest"
+    shared_row = "shared_row"
+
+
+class StartCommit(Mode):
+    rule = "rule"
+    first = "first"
+
+
+class Schedule(Mode):
+    even = "even"
+    timesteps = "timesteps"
+
+
+class RankBy(Mode):
+    confidence = "confidence"
+    neg_entropy = "neg_entropy"
 
 
 class OffloadHidden(Mode):
@@ -335,24 +379,26 @@ class PolestarConfig:
                                                  "(default: prefix_blocks x block length; Dream's official code: 64)")
     full_suffix_rows: Optional[int] = knob(None, "rows after the block clustered by a full-pass block start "
                                                  "(default: suffix_blocks x block length; Dream's official code: 32)")
-    proxy_score: str = knob("heads", "cluster drift: heads = per-head proxy attention, KL averaged over heads "
+    proxy_score: ProxyScore = knob("heads", "cluster drift: heads = per-head proxy attention, KL averaged over heads "
                                      "(LLaDA); mean = queries averaged over heads and keys over KV heads, one "
-                                     "softmax (Dream)", choices=("heads", "mean"))
-    patch_kv: str = knob("packet", "refresh K/V patch rows: packet = every row the previous layer recomputed "
+                                     "softmax (Dream)", choices=ProxyScore.choices())
+    patch_kv: PatchKV = knob("packet", "refresh K/V patch rows: packet = every row the previous layer recomputed "
                                    "(LLaDA); clustered = only those clustered at this layer, as the hidden-state "
-                                   "patch (Dream)", choices=("packet", "clustered"))
-    tie_break: str = knob("lowest", "equal block confidences: lowest = the lower position ranks first; "
+                                   "patch (Dream)", choices=PatchKV.choices())
+    tie_break: TieBreak = knob("lowest", "equal block confidences: lowest = the lower position ranks first; "
                                     "shared_row = as lowest, except that of the two positions that share the "
                                     "span's first logits row (a shifted family's block-only forward) the later "
                                     "one ranks first (the official Dream code's choice)",
-                          choices=("lowest", "shared_row"))
+                          choices=TieBreak.choices())
     refresh_buckets: int = knob(4, "a refresh computes and moves only the rows it selects, rounded up to one "
                                    "of this many compiled sizes (more: less work per refresh, longer compile; "
                                    "1: always every window row); tokens never depend on it")
 
     def __post_init__(self):
         object.__setattr__(self, "kernels", as_mode(Kernels, self.kernels, "Polestar kernels"))
-        object.__setattr__(self, "offload_hidden", as_mode(OffloadHidden, self.offload_hidden, "offload_hidden"))
+        for name, cls in (("offload_hidden", OffloadHidden), ("proxy_score", ProxyScore), ("patch_kv", PatchKV),
+                          ("tie_break", TieBreak)):
+            object.__setattr__(self, name, as_mode(cls, getattr(self, name), name))
         self.validate()
 
     def validate(self) -> None:
@@ -387,10 +433,6 @@ class PolestarConfig:
             need(v is None or (isinstance(v, int) and v >= 0), f"{name} must be None or an integer >= 0, got {v!r}")
         need(self.full_prefix_rows is None or self.full_prefix_rows >= 1,
              "full_prefix_rows must be >= 1 (the prefix window is never empty by design)")
-        for name, allowed in (("proxy_score", ("heads", "mean")), ("patch_kv", ("packet", "clustered")),
-                              ("tie_break", ("lowest", "shared_row"))):
-            need(getattr(self, name) in allowed, f"unknown {name} {getattr(self, name)!r} "
-                                                 f"(choose from {', '.join(allowed)})")
         if self.suffix_precommit:
             need(self.refresh, "suffix_precommit commits refreshed suffix rows, so it needs refresh=True "
                                "(or turn it off: --no-suffix-commit)")
@@ -435,9 +477,9 @@ class DecodeConfig:
       neither, the fixed schedule; ``cache`` ``none`` / ``prefix`` / ``dual``.
     """
 
-    decoder: Decoder = knob("fastdllm", "llada (fixed tokens per forward), fastdllm (threshold/factor rules, "
+    decoder: Decoder = knob("polestar", "llada (fixed tokens per forward), fastdllm (threshold/factor rules, "
                                     "caches) or polestar (dual cache + Polestar-Cache/Commit)",
-                        choices=DECODERS, cli_default="polestar")
+                        choices=DECODERS)
     cache: Cache = knob("dual", "KV cache: none, prefix or dual (llada: none only; polestar: dual only)",
                       choices=CACHES, cli_default=None)
     gen_length: int = knob(128, "tokens to generate", cli_default=None)
@@ -451,25 +493,30 @@ class DecodeConfig:
     temperature: float = knob(0.0, "Gumbel-max sampling temperature (0: argmax); keyed by --seed and the row")
     remasking: Remasking = knob("low_confidence", "which tokens commit first: low_confidence (the most confident) or "
                                             "random (random confidences; not for polestar)", choices=REMASKING)
+    early_exit: bool = knob(True, "stop decoding a row after the first finished block that holds a stop token "
+                                  "(EOS, end of turn): the response is the same, the blocks after it cost no "
+                                  "forwards (off: every block is decoded, as the reference code does)",
+                            negate="--no-early-exit")
     # Fast-dLLM (prefix/dual cache) runs its step loop at least once after the block's full forward, even
     # when that forward filled the block; Polestar's port of the same loop checks for masks first.
     step_after_full_pass: bool = True
     # What the start forward of the cached variants commits: "rule" (Fast-dLLM: the commit rule over the
     # block) or "first" (Dream's dual-cache loop: only the block's first position, unconditionally).
-    start_commit: str = "rule"
+    start_commit: StartCommit = StartCommit.rule
     # The fixed rule (threshold=None, factor=None): its schedule, "even" (LLaDA's get_num_transfer_tokens) or
     # "timesteps" (Dream: int(n * (1 - s/t)) of the n masks left, t, s consecutive points of
     # linspace(1, schedule_eps, steps_per_block + 1); all of them from the last step of the block on), and its
     # ranking, "confidence" or "neg_entropy" (sum p log(p + 1e-10), Dream's alg="entropy").
-    schedule: str = "even"
-    rank_by: str = "confidence"
+    schedule: Schedule = Schedule.even
+    rank_by: RankBy = RankBy.confidence
     schedule_eps: float = 1e-3
     polestar: PolestarConfig = dataclasses.field(default_factory=PolestarConfig)
 
     def __post_init__(self):
         if self.steps is None:
             object.__setattr__(self, "steps", self.gen_length)
-        for name, cls in (("decoder", Decoder), ("cache", Cache), ("remasking", Remasking)):
+        for name, cls in (("decoder", Decoder), ("cache", Cache), ("remasking", Remasking),
+                          ("start_commit", StartCommit), ("schedule", Schedule), ("rank_by", RankBy)):
             object.__setattr__(self, name, as_mode(cls, getattr(self, name), name))
         self.validate()
 
@@ -504,10 +551,6 @@ class DecodeConfig:
             raise ConfigError(f"factor must be positive, got {self.factor}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        for name, allowed in (("start_commit", ("rule", "first")), ("schedule", ("even", "timesteps")),
-                              ("rank_by", ("confidence", "neg_entropy"))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"unknown {name} {getattr(self, name)!r} (choose from {', '.join(allowed)})")
         if (self.schedule != "even" or self.rank_by != "confidence") and (self.rule != "fixed"
                                                                             or self.decoder != "fastdllm"):
             raise ConfigError("schedule / rank_by apply to decoder 'fastdllm' with the fixed rule (threshold none)")

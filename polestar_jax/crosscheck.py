@@ -73,6 +73,12 @@ def first_divergence(ours: list[list[tuple[int, int]]], ref: list[list[tuple[int
     return None
 
 
+def _reference(dcfg):
+    """``dcfg`` with the reference code's accounting: every block decoded (the PyTorch code has no early
+    exit, and its NFE and block statistics count every block)."""
+    return dataclasses.replace(dcfg, early_exit=False)
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path) as f:
@@ -140,7 +146,8 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
     import jax.numpy as jnp
 
     from polestar_jax import model
-    from polestar_jax.engine import generate
+    from polestar_jax.engine import Engine
+    engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
 
     data = _read_json(os.path.join(folder, "cases.json"))
     results: list[CaseResult] = []
@@ -192,7 +199,7 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
     for dcfg, cases in groups.items():
         for i in range(0, len(cases), batch):
             chunk = cases[i:i + batch]
-            res = generate(params, cfg, [c["prompt_ids"] for c in chunk], dcfg, prompt_slot=slot, mesh=mesh)
+            res = engine.run([c["prompt_ids"] for c in chunk], _reference(dcfg), prompt_slot=slot)
             for r, case in enumerate(chunk):
                 add(_check_generation(case.get("name", "?"), res, r, len(case["prompt_ids"]),
                                       case["generated_ids"], case["nfe"], case.get("trajectory"),
@@ -284,7 +291,8 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
     import jax.numpy as jnp
 
     from polestar_jax.config import DecodeConfig, PolestarConfig
-    from polestar_jax.engine import generate
+    from polestar_jax.engine import Engine
+    engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
     from polestar_jax.replay import build_replay
 
     knobs = {} if refresh_buckets is None else {"refresh_buckets": refresh_buckets}
@@ -314,8 +322,8 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
                                          cfg, dcfg.polestar, block, dcfg.num_blocks * (block + 1))
                             for i, _ in chunk]
                     replay = type(reps[0])(*(jnp.concatenate(a, axis=0) for a in zip(*reps)))
-                res = generate(params, cfg, [c["prompt_ids"] for _, c in chunk], dcfg, prompt_slot=slot,
-                               replay=replay, mesh=mesh)
+                res = engine.run([c["prompt_ids"] for _, c in chunk], _reference(dcfg), prompt_slot=slot,
+                                 replay=replay)
             except PolestarError as e:
                 for name in names:
                     r = CaseResult(name, "fail", f"cannot replay: {e}")
@@ -400,7 +408,8 @@ def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
     at a time."""
     import jax.numpy as jnp
 
-    from polestar_jax.engine import generate
+    from polestar_jax.engine import Engine
+    engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
 
     data = _read_json(os.path.join(folder, "cases.json"))
     meta = data.get("meta", {})
@@ -456,8 +465,8 @@ def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
                 replay_in = None
                 if dcfg.decoder == "polestar":
                     replay_in = dream_replay(folder, chunk, cfg, dcfg)
-                res = generate(params, cfg, [c["prompt_ids"] for c in chunk], dcfg, prompt_slot=slot,
-                               replay=replay_in, mesh=mesh)
+                res = engine.run([c["prompt_ids"] for c in chunk], _reference(dcfg), prompt_slot=slot,
+                                 replay=replay_in)
             except PolestarError as e:
                 for case in chunk:
                     add(CaseResult(case.get("name", "?"), "fail", f"cannot replay: {e}"))
@@ -475,7 +484,8 @@ def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
 def dream_replay(folder: str, cases: list, cfg, dcfg):
     """The :class:`~polestar_jax.draws.Replay` of Dream Polestar cases (one row per case): the k-means draws
     and labels and the per-layer cluster selections of each case's ``trace`` / ``decisions`` files. The
-    structural ties (J2) are not injected: ``PolestarConfig.tie_break="shared_row"`` decides them."""
+    structural ties (``docs/differences.md#d27``) are not injected: ``PolestarConfig.tie_break="shared_row"``
+    decides them."""
     import jax.numpy as jnp
 
     from polestar_jax.replay import build_replay
@@ -493,10 +503,10 @@ def dream_replay(folder: str, cases: list, cfg, dcfg):
 
 
 def structural_tie_agreement(case: dict, res, row: int) -> tuple[int, int]:
-    """(structural ties of ``case``, those decided as the official code decided them): the J2 ties between
-    block positions 0 and 1 (``structural_ties`` in ``cases.json``); a tie counts as agreeing when this run
-    committed, at that forward, exactly the official (position, token) pairs (the rule's pick plus any early
-    commit)."""
+    """(structural ties of ``case``, those decided as the official code decided them): the ties between
+    block positions 0 and 1 (``docs/differences.md#d27``; ``structural_ties`` in ``cases.json``); a tie counts
+    as agreeing when this run committed, at that forward, exactly the official (position, token) pairs (the
+    rule's pick plus any early commit)."""
     ties = case.get("structural_ties") or []
     p = len(case["prompt_ids"])
     traj, ref = res.trajectory(row), case.get("trajectory") or []

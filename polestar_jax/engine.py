@@ -1,35 +1,59 @@
-"""The public ``generate()`` API: prompts in, tokens and statistics out (no I/O, no CLI).
+"""The decoding engine: one object that owns a loaded model's compiled block programs and runs jobs on them.
 
-The host loop runs over blocks only; each block is one compiled call of the block program
-(:func:`polestar_jax.block.decode_block`)
-dispatched asynchronously, so the host never waits for the device inside a generation; results are read
-once at the end.
+An :class:`Engine` is built from a loaded model (parameters, :class:`ModelConfig`, optionally its tokenizer
+and a device mesh). It owns
+
+* its compiled executables (the block program per decode structure and shape, the row-insertion program,
+  the sharded state builders): per instance, bounded (least recently used first out), :meth:`Engine.clear`;
+* the prompt-slot bucketing (:meth:`Engine.prompt_slot`: multiples of 16 tokens), so that jobs, the
+  lm-eval harness and the server reuse a few executables;
+* the accounting: the response cut at the family's stop tokens, non-EOS tokens, TPF and Polestar's
+  statistics (:meth:`Engine.completion`).
+
+Jobs run in one of two ways, with the same block program (:func:`polestar_jax.block.decode_block`):
+
+* :meth:`Engine.run`: a fixed batch; every block of every row is dispatched asynchronously and the results
+  are read once at the end (the golden replays and ``crosscheck`` use this, with the per-step statistics);
+* :meth:`Engine.generate`: a continuous job over any number of prompts: a :class:`RunningBatch` of
+  ``batch_size`` slots in which every row advances by one block per call; a row leaves when it is done
+  (its last block, or early exit: a finished block holding a stop token) and the next prompt takes its slot
+  at the next block boundary, without recompiling. Prompt ``i``'s randomness comes from ``(seed, i)``, so
+  its tokens do not depend on the batch, its slot or when it joined.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from polestar_jax.block import EngineSpec, Knobs, decode_block
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.block import EngineSpec, Knobs, decode_block, run_block_jit
 from polestar_jax.polestar_state import STAT_FIELDS
-from polestar_jax.state import DecodeState, init_decode_state, padded_length
+from polestar_jax.sharding import to_host
+from polestar_jax.state import (DecodeState, PromptFields, StateLayout, axes_of, build_state, init_decode_state,
+                                prompt_fields, row_key_data)
+
+#: Prompt slots are multiples of this many tokens (the default bucketing; see :meth:`Engine.prompt_slot`).
+PAD_MULTIPLE = 16
 
 
 @dataclasses.dataclass
 class GenerateResult:
-    """Output of :func:`generate` for a batch of b prompts.
+    """Output of :meth:`Engine.run` for a fixed batch of b prompts.
 
-    tokens       [b, G] int   generated tokens (the block region, after the prompt).
-    commit_step  [b, G] int   which forward of the row committed each token.
+    tokens       [b, G] int   generated tokens (the block region, after the prompt); blocks a row never
+                              decoded (early exit) hold the mask id.
+    commit_step  [b, G] int   which forward of the row committed each token (-1: never).
     nfe          [b]    int   forwards per row.
     block_nfe    [b, n_blocks] int  forwards per row and block.
+    blocks       [b]    int   blocks each row decoded (all of them unless it stopped early).
     seconds      float        wall time of the decode loop (first dispatch to results on the host),
                               compile excluded; ``compile_seconds``: time spent compiling for this call.
     """
@@ -43,13 +67,15 @@ class GenerateResult:
     dispatch_seconds: float = 0.0  # host time spent enqueueing the blocks (the rest of `seconds` is device work)
     polestar: Optional[dict] = None  # decoder "polestar": per-row stats arrays (polestar_state.STAT_FIELDS)
     steps: Optional[list] = None  # decoder "polestar": per block, the StepOut buffer (numpy)
+    blocks: Optional[np.ndarray] = None
 
     def block_stats(self, row: int) -> list[dict]:
         """Per processed block: ``block_id``, ``block_nfe`` and (Polestar) the full pass, windowed pass and
         refresh steps of the block, under the names of the PyTorch code's ``block_stats`` (``block0_true``,
         ``efficient_true``, ``cluster_true``: the golden format)."""
         out = []
-        for blk in range(self.block_nfe.shape[1]):
+        n_blocks = self.block_nfe.shape[1] if self.blocks is None else int(self.blocks[row])
+        for blk in range(n_blocks):
             if self.polestar is not None:
                 if not self.polestar["processed"][row, blk]:
                     continue
@@ -73,52 +99,69 @@ class GenerateResult:
     def commits_per_forward(self, row: int) -> list[int]:
         return [len(t) for t in self.trajectory(row)]
 
+    def row(self, r: int, index: Optional[int] = None) -> "RowOutput":
+        """Row ``r`` as a :class:`RowOutput` (``index``: its index in the job)."""
+        blocks = self.block_nfe.shape[1] if self.blocks is None else int(self.blocks[r])
+        n = blocks * (self.tokens.shape[1] // max(1, self.block_nfe.shape[1]))
+        pol = None if self.polestar is None else {k: np.asarray(v[r]) for k, v in self.polestar.items()}
+        return RowOutput(index=r if index is None else index, tokens=np.asarray(self.tokens[r, :n]),
+                         commit_step=np.asarray(self.commit_step[r, :n]), nfe=int(self.nfe[r]),
+                         block_nfe=np.asarray(self.block_nfe[r, :blocks]), polestar=pol)
 
-_COMPILED: dict = {}
 
+@dataclasses.dataclass
+class RowOutput:
+    """One decoded prompt, as the engine returns it (token ids; :meth:`Engine.completion` does the accounting).
 
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((tuple(a.shape), str(a.dtype), getattr(a, "sharding", None)) for a in leaves))
-
-
-def compiled_block(params, state: DecodeState, knobs: Knobs, spec: EngineSpec, replay=None):
-    """The compiled block decoder for these shapes, compiling it on first use.
-
-    Returns ``(fn, compile_seconds)``; ``fn(params, state, block_idx, knobs, replay) -> (state, steps)``. Executables are
-    cached per (spec, parameter and state shapes/dtypes), so a second prompt of the same padded length
-    reuses the executable (``compile_seconds`` is then 0). :func:`compile_cache_size` exposes the count.
+    index        the prompt's index in the job (its randomness comes from (seed, index))
+    tokens       [n] int  the generated ids of the blocks the row decoded (n = blocks x block length)
+    commit_step  [n] int  which of the row's forwards committed each id
+    nfe          forwards the row ran
+    block_nfe    [blocks] forwards per decoded block
+    polestar     decoder polestar: the row's statistics (``polestar_state.STAT_FIELDS``), else None
+    seconds      (continuous jobs) wall seconds from the row's insertion to its results on the host
     """
-    key = (spec, _signature(params), _signature(state), _signature(replay))
-    if key in _COMPILED:
-        return _COMPILED[key], 0.0
-    t0 = time.perf_counter()
-    jitted = run_block_jit
-    mesh = _mesh_of(state)
-    if mesh is not None:
-        # keep the state's sharding across blocks: outputs are constrained to the input layout
-        from jax.sharding import NamedSharding, PartitionSpec
 
-        out = jax.eval_shape(lambda p, s, r: decode_block(p, s, jnp.int32(0), knobs, r, spec), params, state, replay)
-        rep = NamedSharding(mesh, PartitionSpec())
-        out_sh = (jax.tree.map(lambda a: a.sharding, state), jax.tree.map(lambda _: rep, out[1]))
-        jitted = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",), out_shardings=out_sh)
-    fn = jitted.lower(params, state, jnp.int32(0), knobs, replay, spec).compile()
-    _COMPILED[key] = fn
-    return fn, time.perf_counter() - t0
+    index: int
+    tokens: np.ndarray
+    commit_step: np.ndarray
+    nfe: int
+    block_nfe: np.ndarray
+    polestar: Optional[dict] = None
+    seconds: float = 0.0
 
 
-def _mesh_of(tree):
-    for leaf in jax.tree.leaves(tree):
-        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
-        if mesh is not None and getattr(mesh, "size", 1) > 1:
-            return mesh
-    return None
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """The accounting of one row: its response and the numbers ``bench.run``, the API and the server report.
+
+    response_ids    the generated ids up to the first stop token (EOS, pad, end of turn)
+    non_eos_tokens  generated ids (of the decoded blocks) that are not EOS / pad: TPF's numerator
+    nfe, tpf        forwards, and non_eos_tokens / nfe
+    stats           decoder polestar: refresh_steps, early_commits, suffix_commits, windowed_passes; else {}
+    finish_reason   "stop" (a stop token ended the response) or "length" (it ran to its last block)
+    """
+
+    response_ids: list
+    non_eos_tokens: int
+    nfe: int
+    tpf: float
+    stats: dict
+    finish_reason: str
 
 
-def compile_cache_size() -> int:
-    """Number of block-decoder executables compiled so far in this process."""
-    return len(_COMPILED)
+def polestar_stats(ps: Optional[dict], r: Optional[int] = None) -> dict:
+    """Polestar's counters of one row (``ps``: per-row stats, or batch stats with ``r``): refresh steps,
+    early and suffix commits, windowed block starts."""
+    if ps is None:
+        return {}
+
+    def total(name):
+        a = np.asarray(ps[name]) if name in ps else np.zeros(1)
+        return int((a if r is None else a[r]).sum())
+
+    return {"refresh_steps": total("refresh_steps"), "early_commits": total("early"),
+            "suffix_commits": total("suffix"), "windowed_passes": total("windowed")}
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: DecodeConfig) -> None:
@@ -137,66 +180,493 @@ def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: Dec
             raise PolestarError(f"prompt {r} has token ids outside [0, {mcfg.embedding_size})")
 
 
-def generate(
-    params,
-    mcfg: ModelConfig,
-    prompts: Sequence[Sequence[int]],
-    dcfg: DecodeConfig,
-    seed: int = 0,
-    rows: Optional[Sequence[int]] = None,
-    pad_multiple: int = 16,
-    prompt_slot: Optional[int] = None,
-    replay=None,
-    mesh=None,
-) -> GenerateResult:
-    """Generates ``dcfg.gen_length`` tokens after each prompt.
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, tuple((tuple(a.shape), str(a.dtype), getattr(a, "sharding", None)) for a in leaves))
 
-    params:  the parameter pytree of :mod:`polestar_jax.model`.
-    prompts: b token-id lists (any lengths); they are left-padded to ``prompt_slot`` (default: the longest
-             rounded up to ``pad_multiple``), so prompts of one bucket share one compiled executable.
-    seed:    the job seed; keys the sampling noise and Polestar's k-means draws together with ``rows``.
-    rows:    each prompt's index in the job (default ``0..b-1``): prompt r's randomness is derived from
-             ``(seed, rows[r])`` only (:func:`polestar_jax.state.row_key_data`), so a prompt decodes the same
-             whatever batch or position it is decoded in; pass the global indices when a job is split
-             into batches.
-    replay:  (Polestar) a :class:`polestar_jax.draws.Replay` of decisions taken from a PyTorch trace.
-    mesh:    a ``jax.sharding.Mesh`` with axes (data, model): parameters and state are sharded over it
-             (see :mod:`polestar_jax.sharding`); None runs on the default device.
+
+def _mesh_of(tree):
+    for leaf in jax.tree.leaves(tree):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None and getattr(mesh, "size", 1) > 1:
+            return mesh
+    return None
+
+
+def _write_row(state: DecodeState, row: DecodeState, slot) -> DecodeState:
+    """``state`` with its batch row ``slot`` replaced by ``row`` (a state of one row). Fields declared
+    ``select=False`` (Polestar's store, possibly in host memory) are left alone: a row's first block start
+    rewrites them before anything reads them."""
+
+    def put(big, small, ax):
+        if not ax.select:
+            return big
+        return lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=ax.batch)
+
+    return jax.tree.map(put, state, row, axes_of(state))
+
+
+def _insert(state: DecodeState, fields: PromptFields, slot, layout: StateLayout) -> DecodeState:
+    return _write_row(state, build_state(fields, layout), slot)
+
+
+class Engine:
+    """A loaded model, ready to decode: see the module docstring.
+
+    params, config:   the parameter pytree and its :class:`ModelConfig`
+    tokenizer:        its tokenizer (optional): adds the chat end-of-turn ids to the stop tokens
+    mesh:             a ``jax.sharding.Mesh`` (axes data, model): parameters and states are sharded over it
+    max_executables:  compiled programs kept (least recently used dropped first)
+    log:              called with one line before a program compiles and with its seconds after (the CLIs
+                      print it on stderr); None: silent
     """
-    check_prompts(prompts, mcfg, dcfg)
-    slot = prompt_slot or padded_length([len(p) for p in prompts], pad_multiple)
-    if slot < max(len(p) for p in prompts):
-        raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
-    rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
-    if len(rows) != len(prompts):
-        raise PolestarError(f"rows has {len(rows)} entries for {len(prompts)} prompts")
-    if not isinstance(seed, (int, np.integer)):
-        raise PolestarError(f"seed must be an integer, got {seed!r}")
-    spec = EngineSpec.from_config(mcfg, dcfg)
-    knobs = Knobs.from_config(dcfg)
-    dtype = jax.tree.leaves(params)[0].dtype
-    if mesh is not None:
-        from polestar_jax import sharding
 
-        params = sharding.shard(params, sharding.param_shardings(params, mesh, mcfg))  # whole heads (GQA)
-        if replay is not None:
-            replay = sharding.shard(replay, sharding.state_shardings(replay, mesh))
-    state = init_decode_state(mcfg, dcfg, prompts, slot, seed=seed, rows=rows, dtype=dtype, mesh=mesh)
-    fn, compile_seconds = compiled_block(params, state, knobs, spec, replay)
-    t0 = time.perf_counter()
-    steps = []
-    for blk in range(dcfg.num_blocks):  # dispatched asynchronously: no host sync inside the loop
-        state, st = fn(params, state, jnp.int32(blk), knobs, replay)
-        steps.append(st)
-    dispatch_seconds = time.perf_counter() - t0  # host time to enqueue every block
-    from polestar_jax.sharding import to_host
+    def __init__(self, params, config: ModelConfig, tokenizer=None, mesh=None, max_executables: int = 32,
+                 log: Optional[Callable[[str], None]] = None):
+        if max_executables < 1:
+            raise PolestarError(f"max_executables must be >= 1, got {max_executables}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.mesh = mesh
+        self.log = log
+        self.max_executables = int(max_executables)
+        if mesh is not None:
+            from polestar_jax import sharding
 
-    # only what the result reports: not the Polestar store, clusters or proxy attention
-    stats = None if state.polestar is None else {k: getattr(state.polestar, k) for k in STAT_FIELDS}
-    x, cstep, nfe, bnfe, pol, steps = to_host((state.x, state.commit_step, state.nfe, state.block_nfe, stats, steps))
-    seconds = time.perf_counter() - t0
-    pstats = None if pol is None else {k: np.asarray(v) for k, v in pol.items()}
-    return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
-                          nfe=np.asarray(nfe), block_nfe=np.asarray(bnfe), seconds=seconds,
-                          compile_seconds=compile_seconds, dispatch_seconds=dispatch_seconds, polestar=pstats,
-                          steps=steps if pol is not None else None)
+            params = sharding.shard(params, sharding.param_shardings(params, mesh, config))  # whole heads (GQA)
+        self.params = params
+        self.dtype = jax.tree.leaves(params)[0].dtype
+        eot = frozenset() if tokenizer is None else frozenset(getattr(tokenizer, "end_of_turn_ids", ()))
+        #: ids that end a response (EOS, pad, the chat end-of-turn token)
+        self.stop_ids = frozenset({config.eos_token_id, config.pad_token_id}) | eot
+        #: ids TPF does not count (EOS, pad), as bench.run and the paper
+        self.eos_ids = frozenset({config.eos_token_id, config.pad_token_id})
+        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._builders: dict = {}  # the sharded state builders (with a mesh), one per layout and shape
+        self.compiles = 0  # programs compiled by this engine so far (cache hits of the persistent cache included)
+
+    # ----------------------------------------------------------------------------------- executables
+    def __repr__(self) -> str:
+        return (f"Engine(layers={self.config.n_layers}, d_model={self.config.d_model}, "
+                f"executables={self.executable_count})")
+
+    @property
+    def executable_count(self) -> int:
+        """Compiled programs this engine holds now."""
+        return len(self._programs)
+
+    def clear(self) -> None:
+        """Drops every compiled program (and sharded state builder) this engine holds."""
+        self._programs.clear()
+        self._builders.clear()
+
+    def _program(self, key, build: Callable[[], Any], what: str):
+        """The program cached under ``key`` (built with ``build()`` on first use); returns (program, seconds)."""
+        if key in self._programs:
+            self._programs.move_to_end(key)
+            return self._programs[key], 0.0
+        if self.log is not None:
+            self.log(f"compiling {what} ...")
+        t0 = time.perf_counter()
+        prog = build()
+        secs = time.perf_counter() - t0
+        if self.log is not None:
+            self.log(f"compiled {what} in {secs:.2f}s")
+        self._programs[key] = prog
+        self.compiles += 1
+        while len(self._programs) > self.max_executables:
+            self._programs.popitem(last=False)
+        return prog, secs
+
+    def spec(self, dcfg: DecodeConfig) -> EngineSpec:
+        """The block program's structure for ``dcfg`` (with this model's stop tokens for early exit)."""
+        return EngineSpec.from_config(self.config, dcfg, stop_ids=tuple(self.stop_ids))
+
+    def block_program(self, params, state: DecodeState, knobs: Knobs, spec: EngineSpec, replay=None):
+        """The compiled block program for these shapes, compiling it on first use. Returns ``(fn,
+        compile_seconds)``; ``fn(params, state, knobs, replay) -> (state, stats)`` advances every live row
+        of ``state`` by one block (the state is donated)."""
+        key = ("block", spec, _signature(params), _signature(state), _signature(knobs), _signature(replay))
+        b, slot = state.x.shape[0], state.x.shape[1] - spec.gen_length
+
+        def build():
+            mesh = _mesh_of(state)
+            kw = {}
+            if mesh is not None:  # keep the state's sharding across blocks: outputs take the input layout
+                from jax.sharding import NamedSharding, PartitionSpec
+
+                out = jax.eval_shape(lambda p, s, k, r: decode_block(p, s, k, r, spec), params, state, knobs, replay)
+                rep = NamedSharding(mesh, PartitionSpec())
+                kw["out_shardings"] = (jax.tree.map(lambda a: a.sharding, state), jax.tree.map(lambda _: rep, out[1]))
+            jitted = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",), **kw)
+            return jitted.lower(params, state, knobs, replay, spec).compile()
+
+        return self._program(key, build, f"the {spec.decoder} block program for batch {b}, prompt slot {slot}, "
+                                         f"gen length {spec.gen_length}")
+
+    def _insert_program(self, state: DecodeState, fields: PromptFields, layout: StateLayout):
+        key = ("insert", layout, _signature(state), _signature(fields))
+
+        def build():
+            kw = {}
+            mesh = _mesh_of(state)
+            if mesh is not None:
+                kw["out_shardings"] = jax.tree.map(lambda a: a.sharding, state)
+            return jax.jit(_insert, static_argnames=("layout",), donate_argnames=("state",), **kw).lower(
+                state, fields, jnp.int32(0), layout).compile()
+
+        return self._program(key, build, f"the row insertion for batch {state.x.shape[0]}")
+
+    # ----------------------------------------------------------------------------------- bucketing
+    def prompt_slot(self, lengths: Sequence[int], multiple: int = PAD_MULTIPLE) -> int:
+        """The prompt slot of prompts of these lengths: the longest rounded up to ``multiple``."""
+        longest = max(int(n) for n in lengths)
+        return -(-longest // multiple) * multiple
+
+    def check(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig) -> None:
+        """:func:`check_prompts` for this model."""
+        check_prompts(prompts, self.config, dcfg)
+
+    def knobs(self, dcfg: DecodeConfig, batch: Optional[int] = None) -> Knobs:
+        """``dcfg``'s traced scalars, shared (``batch`` None) or one per row ([batch])."""
+        k = Knobs.from_config(dcfg)
+        return k if batch is None else jax.tree.map(lambda a: jnp.full((batch,), a, jnp.float32), k)
+
+    def _state(self, prompts, dcfg, prompt_slot, seed, rows, gen_lengths):
+        return init_decode_state(self.config, dcfg, prompts, prompt_slot, seed=seed, rows=rows, dtype=self.dtype,
+                                 mesh=self.mesh, gen_lengths=gen_lengths, builders=self._builders)
+
+    # ----------------------------------------------------------------------------------- fixed batches
+    def run(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,
+            rows: Optional[Sequence[int]] = None, prompt_slot: Optional[int] = None, replay=None,
+            gen_lengths: Optional[Sequence[int]] = None, params=None) -> GenerateResult:
+        """Decodes one fixed batch: every row starts at block 0; all blocks are dispatched asynchronously (no
+        host sync inside the job) and the results are read once at the end, per-step statistics included.
+
+        prompts:     b token-id lists; left-padded to ``prompt_slot`` (default :meth:`prompt_slot`)
+        seed, rows:  prompt r's randomness comes from ``(seed, rows[r])`` only (default ``rows = 0..b-1``)
+        replay:      (Polestar) a :class:`polestar_jax.draws.Replay` of decisions from a PyTorch trace
+        gen_lengths: per row, a multiple of the block length up to ``dcfg.gen_length`` (default: all)
+        params:      other parameters of the same shapes (default: the engine's)
+        """
+        self.check(prompts, dcfg)
+        slot = prompt_slot or self.prompt_slot([len(p) for p in prompts])
+        if slot < max(len(p) for p in prompts):
+            raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
+        rows = list(range(len(prompts))) if rows is None else [int(r) for r in rows]
+        if len(rows) != len(prompts):
+            raise PolestarError(f"rows has {len(rows)} entries for {len(prompts)} prompts")
+        if not isinstance(seed, (int, np.integer)):
+            raise PolestarError(f"seed must be an integer, got {seed!r}")
+        gens = self._gen_lengths(gen_lengths, len(prompts), dcfg)
+        params = self.params if params is None else params
+        if self.mesh is not None and params is not self.params:
+            from polestar_jax import sharding
+
+            params = sharding.shard(params, sharding.param_shardings(params, self.mesh, self.config))
+        if self.mesh is not None and replay is not None:
+            from polestar_jax import sharding
+
+            replay = sharding.shard(replay, sharding.state_shardings(replay, self.mesh))
+        spec, knobs = self.spec(dcfg), self.knobs(dcfg)
+        state = self._state(prompts, dcfg, slot, seed, rows, gens)
+        fn, compile_seconds = self.block_program(params, state, knobs, spec, replay)
+        t0 = time.perf_counter()
+        steps = []
+        for _ in range(max(gens) // dcfg.block_length):  # dispatched asynchronously: no host sync in the loop
+            state, st = fn(params, state, knobs, replay)
+            steps.append(st)
+        dispatch_seconds = time.perf_counter() - t0
+        # only what the result reports: not the Polestar store, clusters or proxy attention
+        stats = None if state.polestar is None else {k: getattr(state.polestar, k) for k in STAT_FIELDS}
+        x, cstep, nfe, bnfe, blocks, pol, steps = to_host(
+            (state.x, state.commit_step, state.nfe, state.block_nfe, state.block, stats, steps))
+        seconds = time.perf_counter() - t0
+        pstats = None if pol is None else {k: np.asarray(v) for k, v in pol.items()}
+        return GenerateResult(tokens=np.asarray(x[:, slot:]), commit_step=np.asarray(cstep[:, slot:]),
+                              nfe=np.asarray(nfe), block_nfe=np.asarray(bnfe), seconds=seconds,
+                              compile_seconds=compile_seconds, dispatch_seconds=dispatch_seconds, polestar=pstats,
+                              steps=steps if pol is not None else None, blocks=np.asarray(blocks))
+
+    def _gen_lengths(self, gen_lengths, n: int, dcfg: DecodeConfig) -> list[int]:
+        if gen_lengths is None:
+            return [dcfg.gen_length] * n
+        gens = [int(g) for g in gen_lengths]
+        if len(gens) != n:
+            raise PolestarError(f"gen_lengths has {len(gens)} entries for {n} prompts")
+        for g in gens:
+            if g <= 0 or g > dcfg.gen_length or g % dcfg.block_length:
+                raise PolestarError(f"a row's gen length must be a positive multiple of the block length "
+                                    f"{dcfg.block_length} up to {dcfg.gen_length}, got {g}")
+        return gens
+
+    # ----------------------------------------------------------------------------------- continuous jobs
+    def batch(self, dcfg: DecodeConfig, size: int, prompt_slot: int) -> "RunningBatch":
+        """An empty :class:`RunningBatch` of ``size`` slots at this prompt slot (its programs compiled)."""
+        return RunningBatch(self, dcfg, size, prompt_slot)
+
+    def generate(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,
+                 rows: Optional[Sequence[int]] = None, batch_size: Optional[int] = None,
+                 prompt_slot: Optional[int] = None, gen_lengths: Optional[Sequence[int]] = None,
+                 on_row: Optional[Callable[[RowOutput], None]] = None) -> "JobResult":
+        """Decodes any number of prompts as one job. When they all fit (``batch_size`` None or >= their number):
+        one fixed batch in lockstep (:meth:`run`; rows stop early but start together). Else a continuous job:
+        a :class:`RunningBatch` of ``batch_size`` slots that stays full: a finished row's slot takes the next
+        prompt at the next block boundary. Prompt i's randomness comes from ``(seed, rows[i])`` (default ``rows[i] = i``). ``on_row`` is called
+        with each :class:`RowOutput` as it finishes. Returns a :class:`JobResult` (rows in prompt order)."""
+        n = len(prompts)
+        self.check(prompts, dcfg)
+        rows = list(range(n)) if rows is None else [int(r) for r in rows]
+        if len(rows) != n:
+            raise PolestarError(f"rows has {len(rows)} entries for {n} prompts")
+        if batch_size is not None and batch_size < 1:
+            raise PolestarError(f"batch size must be >= 1, got {batch_size}")
+        gens = self._gen_lengths(gen_lengths, n, dcfg)
+        slot = prompt_slot or self.prompt_slot([len(p) for p in prompts])
+        if slot < max(len(p) for p in prompts):
+            raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
+        if batch_size is None or n <= batch_size:  # every prompt fits: one fixed batch in lockstep (early exit)
+            t_start = time.perf_counter()
+            res = self.run(prompts, dcfg, seed=seed, rows=rows, prompt_slot=slot, gen_lengths=gens)
+            out = [res.row(r, rows[r]) for r in range(n)]
+            for r in out:
+                if on_row is not None:
+                    on_row(r)
+            return JobResult(rows=out, decode=dcfg, seconds=res.seconds, compile_seconds=res.compile_seconds,
+                             batch_size=n, prompt_slot=slot, block_calls=max(gens) // dcfg.block_length,
+                             wall_seconds=time.perf_counter() - t_start)
+        size = batch_size
+        t_start = time.perf_counter()
+        batch = self.batch(dcfg, size, slot)
+        compile_seconds = batch.compile_seconds
+        out: list[Optional[RowOutput]] = [None] * n
+        queue = collections.deque(range(n))
+        t0 = time.perf_counter()
+        blocks_run = 0
+        while queue or batch.occupied:
+            while queue and batch.free_slots:
+                i = queue.popleft()
+                batch.insert(prompts[i], seed=seed, row=rows[i], tag=i, gen_length=gens[i])
+            if not queue:  # nobody waits: run the remaining blocks without syncing after each
+                for _ in range(batch.max_blocks_left()):
+                    batch.step()
+                    blocks_run += 1
+            else:
+                batch.step()
+                blocks_run += 1
+            for r in batch.finished():
+                out[r.index] = r
+                if on_row is not None:
+                    on_row(r)
+        seconds = time.perf_counter() - t0
+        for r in out:
+            r.index = rows[r.index] if r is not None else 0  # type: ignore[union-attr]
+        return JobResult(rows=out, decode=dcfg, seconds=seconds, compile_seconds=compile_seconds,  # type: ignore[arg-type]
+                         batch_size=size, prompt_slot=slot, block_calls=blocks_run,
+                         wall_seconds=time.perf_counter() - t_start)
+
+    # ----------------------------------------------------------------------------------- accounting
+    def completion(self, row: RowOutput, max_tokens: Optional[int] = None) -> Completion:
+        """The response of ``row`` (cut at its first stop token, and at ``max_tokens`` ids when given),
+        its non-EOS count over the decoded blocks, NFE, TPF and Polestar statistics."""
+        gen = [int(t) for t in row.tokens]
+        resp, reason = [], "length"
+        for t in gen:
+            if t in self.stop_ids:
+                reason = "stop"
+                break
+            resp.append(t)
+        if max_tokens is not None and len(resp) > max_tokens:
+            resp, reason = resp[:max_tokens], "length"
+        non_eos = sum(1 for t in gen if t not in self.eos_ids)
+        return Completion(response_ids=resp, non_eos_tokens=non_eos, nfe=row.nfe,
+                          tpf=non_eos / row.nfe if row.nfe else 0.0, stats=polestar_stats(row.polestar),
+                          finish_reason=reason)
+
+
+@dataclasses.dataclass
+class JobResult:
+    """A continuous job's rows (in prompt order) and totals.
+
+    seconds          decode seconds (first dispatch to the last row on the host), compile apart
+    compile_seconds  seconds spent compiling for this job
+    block_calls      block-program calls dispatched
+    """
+
+    rows: list
+    decode: DecodeConfig
+    seconds: float
+    compile_seconds: float
+    batch_size: int
+    prompt_slot: int
+    block_calls: int
+    wall_seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[RowOutput]:
+        return iter(self.rows)
+
+    def __getitem__(self, i) -> RowOutput:
+        return self.rows[i]
+
+    @property
+    def nfe(self) -> int:
+        return sum(r.nfe for r in self.rows)
+
+
+@dataclasses.dataclass
+class _Occupant:
+    tag: Any
+    n_blocks: int
+    inserted: float
+    blocks_dispatched: int = 0
+
+
+class RunningBatch:
+    """A batch of ``size`` decode slots at one prompt slot and one decode structure (``dcfg``), whose rows
+    each sit at their own block. :meth:`insert` puts a prompt into a free slot (between calls: at a block
+    boundary), :meth:`step` advances every live row by one block (asynchronously), :meth:`finished`
+    returns the rows that are done (reading the small per-row progress arrays from the device) and frees
+    their slots. Knobs (threshold, factor, temperature) may differ per row; nothing recompiles."""
+
+    def __init__(self, engine: Engine, dcfg: DecodeConfig, size: int, prompt_slot: int, sampling: bool = False):
+        if size < 1:
+            raise PolestarError(f"batch size must be >= 1, got {size}")
+        self.engine, self.dcfg, self.size, self.slot = engine, dcfg, int(size), int(prompt_slot)
+        self.spec = engine.spec(dcfg)
+        self.spec = dataclasses.replace(self.spec, per_row=True)  # rows join and leave at any block boundary
+        if sampling:  # the sampling variant: per-row temperatures, 0 included (x + 0 * noise = x: greedy tokens)
+            self.spec = dataclasses.replace(self.spec, stochastic=True)
+        self.layout = StateLayout(engine.config, dcfg.num_blocks, dcfg.cache != "none", np.dtype(engine.dtype),
+                                  dcfg.block_length, dcfg.polestar if dcfg.decoder == "polestar" else None)
+        empty = [[engine.config.pad_token_id]] * self.size
+        self.state = engine._state(empty, dcfg, self.slot, 0, list(range(self.size)), None)
+        self.state = self.state.replace(n_blocks=jnp.zeros_like(self.state.n_blocks))  # every slot free
+        base = Knobs.from_config(dcfg)
+        self._knobs = {k: np.full((self.size,), float(getattr(base, k)), np.float32) for k in Knobs._fields}
+        self._knobs_dev = None
+        self.fn, c1 = engine.block_program(engine.params, self.state, self.knobs, self.spec)
+        self.insert_fn, c2 = engine._insert_program(self.state, self._fields([1], 0, 0, dcfg.gen_length), self.layout)
+        self.compile_seconds = c1 + c2
+        self.slots: list[Optional[_Occupant]] = [None] * self.size
+
+    @property
+    def knobs(self) -> Knobs:
+        if self._knobs_dev is None:
+            self._knobs_dev = Knobs(**{k: jnp.asarray(v) for k, v in self._knobs.items()})
+        return self._knobs_dev
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i, o in enumerate(self.slots) if o is None]
+
+    @property
+    def occupied(self) -> int:
+        return sum(o is not None for o in self.slots)
+
+    def _fields(self, prompt, seed: int, row: int, gen_length: int) -> PromptFields:
+        return prompt_fields([prompt], self.engine.config, self.dcfg.gen_length, self.slot, [row_key_data(seed, row)],
+                             self.dcfg.block_length, [gen_length])
+
+    def insert(self, prompt: Sequence[int], seed: int = 0, row: int = 0, tag: Any = None,
+               gen_length: Optional[int] = None, threshold: Optional[float] = None,
+               temperature: Optional[float] = None, factor: Optional[float] = None, slot: Optional[int] = None) -> int:
+        """Puts ``prompt`` into a free slot (``slot``, or the first free one) and returns the slot. Its
+        randomness comes from ``(seed, row)``; ``gen_length`` (a multiple of the block length up to the
+        batch's) defaults to the batch's; ``threshold`` / ``temperature`` / ``factor`` override the batch's
+        knobs for this row (a temperature needs a batch whose decode config samples: ``temperature > 0``)."""
+        free = self.free_slots
+        if not free:
+            raise PolestarError("no free slot in the running batch")
+        slot = free[0] if slot is None else int(slot)
+        if self.slots[slot] is not None:
+            raise PolestarError(f"slot {slot} is taken")
+        if len(prompt) > self.slot:
+            raise PolestarError(f"a prompt of {len(prompt)} tokens does not fit the prompt slot {self.slot}")
+        self.engine.check([prompt], self.dcfg)
+        gen = self.engine._gen_lengths(None if gen_length is None else [gen_length], 1, self.dcfg)[0]
+        if temperature is not None and temperature > 0 and not self.spec.stochastic:
+            raise PolestarError("this batch decodes greedily (temperature 0); sampling needs a batch with a "
+                                "temperature > 0")
+        for name, v in (("threshold", threshold), ("temperature", temperature), ("factor", factor)):
+            base = float(getattr(Knobs.from_config(self.dcfg), name))
+            self._knobs[name][slot] = base if v is None else float(v)
+        self._knobs_dev = None
+        self.state = self.insert_fn(self.state, self._fields(prompt, seed, row, gen), jnp.int32(slot))
+        self.slots[slot] = _Occupant(tag=tag, n_blocks=gen // self.dcfg.block_length, inserted=time.perf_counter())
+        return slot
+
+    def step(self) -> None:
+        """Advances every live row by one block (dispatched asynchronously)."""
+        self.state, _ = self.fn(self.engine.params, self.state, self.knobs, None)
+        for o in self.slots:
+            if o is not None:
+                o.blocks_dispatched += 1
+
+    def max_blocks_left(self) -> int:
+        """The most blocks a row still in the batch may need (without early exit)."""
+        return max([o.n_blocks - o.blocks_dispatched for o in self.slots if o is not None] + [0])
+
+    def progress(self) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks decoded [size], done [size]) read from the device (a host sync)."""
+        blk, n, stop = to_host((self.state.block, self.state.n_blocks, self.state.stop))
+        return np.asarray(blk), (np.asarray(blk) >= np.asarray(n)) | np.asarray(stop)
+
+    def tokens(self, slots: Sequence[int]) -> np.ndarray:
+        """[len(slots), G] the generation region of these slots (a host sync); undecoded blocks hold masks."""
+        sel = jnp.asarray(list(slots), jnp.int32)
+        return np.asarray(to_host(self.state.x[sel, self.slot:]))
+
+    def finished(self, progress: Optional[tuple] = None) -> list[RowOutput]:
+        """The rows that are done (their last block, or early exit), read from the device; their slots are free
+        again. A row's ``index`` is its insertion ``tag``. ``progress``: :meth:`progress`'s result when the
+        caller has just read it."""
+        blk, done = self.progress() if progress is None else progress
+        return self.take([i for i, o in enumerate(self.slots) if o is not None and done[i]], blk)
+
+    def take(self, slots: Sequence[int], blocks: Optional[np.ndarray] = None) -> list[RowOutput]:
+        """The rows of ``slots`` as they are now (their decoded blocks), and their slots freed (a row still
+        decoding leaves at this block boundary)."""
+        out: list[RowOutput] = []
+        idx = [i for i in slots if self.slots[i] is not None]
+        if not idx:
+            return out
+        blk = self.progress()[0] if blocks is None else blocks
+        s = self.state
+        sel = jnp.asarray(idx, jnp.int32)
+        pol = None if s.polestar is None else {k: getattr(s.polestar, k)[sel] for k in STAT_FIELDS}
+        x, cstep, nfe, bnfe, pol = to_host((s.x[sel, self.slot:], s.commit_step[sel, self.slot:],
+                                                   s.nfe[sel], s.block_nfe[sel], pol))
+        now = time.perf_counter()
+        B = self.dcfg.block_length
+        for j, i in enumerate(idx):
+            o = self.slots[i]
+            n = int(blk[i])
+            out.append(RowOutput(index=o.tag, tokens=np.asarray(x[j, : n * B]), commit_step=np.asarray(cstep[j, : n * B]),
+                                 nfe=int(nfe[j]), block_nfe=np.asarray(bnfe[j, :n]),
+                                 polestar=None if pol is None else {k: np.asarray(v[j]) for k, v in pol.items()},
+                                 seconds=now - o.inserted))
+            self.cancel(i)
+        return out
+
+    def cancel(self, slot: int) -> None:
+        """Frees ``slot`` now (its row leaves at this block boundary; its results are dropped)."""
+        if self.slots[slot] is None:
+            return
+        self.state = self.state.replace(n_blocks=self.state.n_blocks.at[slot].set(0))
+        self.slots[slot] = None
+
+
+def generate(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,
+             rows: Optional[Sequence[int]] = None, pad_multiple: int = PAD_MULTIPLE,
+             prompt_slot: Optional[int] = None, replay=None, mesh=None, engine: Optional[Engine] = None,
+             ) -> GenerateResult:
+    """One fixed batch on ``engine`` (default: a new :class:`Engine` for ``params``, which compiles its
+    program; keep an engine to reuse them). See :meth:`Engine.run`."""
+    eng = engine if engine is not None else Engine(params, mcfg, mesh=mesh)
+    if prompt_slot is None and len(prompts) and all(len(p) for p in prompts):
+        prompt_slot = eng.prompt_slot([len(p) for p in prompts], pad_multiple)
+    return eng.run(prompts, dcfg, seed=seed, rows=rows, prompt_slot=prompt_slot, replay=replay,
+                   params=None if engine is None else params)

@@ -14,8 +14,8 @@ A family is a set of pure functions over its parameter pytree (see :mod:`polesta
   or 1 (row p-1 predicts p; the span's first row predicts its own position too). :meth:`Family.head_at`
   applies it, so no decoder needs to know which family it runs.
 
-A second family is a new model module and one :data:`FAMILIES` entry; its config names it in
-``ModelConfig.family``.
+Two families are implemented, LLaDA and Dream (:data:`FAMILIES`); another is a new model module and one
+:data:`FAMILIES` entry, and its config names it in ``ModelConfig.family``.
 """
 from __future__ import annotations
 

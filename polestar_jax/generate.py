@@ -2,7 +2,7 @@
 
 Loads an HF folder or a converted (orbax) folder, renders the prompt with the folder's chat template, runs
 the chosen decoder and prints the response and one stats line (NFE, tokens per forward, tokens/s, compile
-time apart). With ``--json`` the last line of stdout is a JSON object. Without ``--model`` it runs the
+time apart). With ``--json`` stdout is one line, a JSON document (the text goes to stderr). Without ``--model`` it runs the
 bundled ``tiny_tasks`` model (a tiny LLaDA trained on the list tasks of ``bench/tasks``), offline.
 
 The decoder flags and their defaults are generated from :class:`polestar_jax.config.DecodeConfig` and
@@ -60,38 +60,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-length", type=int, default=None, help="prompt length to plan for (default: 128)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout (one line; the "
+                                                        "responses and the stats line go to stderr)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="rows decoding at once (default: every prompt); a finished row's slot takes the next "
+                         "prompt at the next block boundary")
+    ap.add_argument("--quiet", action="store_true", help="no compile progress or notes on stderr")
     return ap
 
 
-def decode_config_from_args(args, defaults: Optional[dict] = None, family: Optional[str] = None) -> DecodeConfig:
-    """The :class:`DecodeConfig` of the parsed arguments. ``defaults`` (the model folder's
+def resolve_args(args, defaults: Optional[dict] = None, family: Optional[str] = None):
+    """The :class:`polestar_jax.resolve.Resolved` configuration of the parsed arguments (the one resolution
+    the API, the lm-eval model and the server share): ``defaults`` (the model folder's
     :func:`polestar_jax.checkpoint.generation_defaults`) fill ``--gen-length`` / ``--block-length`` when
     they are not given; ``family`` (the model's ``ModelConfig.family``) gives decoder polestar its family's
-    Polestar parameters under the knobs given (:func:`polestar_jax.family.polestar_config_for`, as the text
-    API and the lm-eval model). Raises :class:`PolestarError` for a flag that would have no effect."""
-    defaults = defaults or {}
+    Polestar parameters under the knobs given. Raises :class:`PolestarError` for a flag that would have no
+    effect; the notes say what the resolution changed."""
+    from polestar_jax.resolve import resolve
+
     given = cli.given_config_values(args, DecodeConfig)
     knobs = cli.given_config_values(args, PolestarConfig)
-    decoder = given.get("decoder", "polestar")
-    if knobs and decoder != "polestar":
-        flags = ", ".join(cli.flag_of(PolestarConfig, k, v) for k, v in knobs.items())
-        verb = "applies" if len(knobs) == 1 else "apply"
-        raise PolestarError(f"{flags} {verb} to decoder polestar only (decoder is {decoder})")
-    given.setdefault("cache", "none" if decoder == "llada" else "dual")
-    if decoder == "llada" or "factor" in given:
-        given.setdefault("threshold", None)
-    fixed = decoder == "llada" or ("threshold" in given and given["threshold"] is None and "factor" not in given)
-    if "steps" in given and not fixed:
-        raise PolestarError("--steps applies to the fixed schedule only (decoder llada, or fastdllm with "
-                            "--threshold none)")
-    gen = given.get("gen_length", defaults.get("gen_length", 128))
-    if "block_length" not in given:
-        given["block_length"] = min(defaults.get("block_length", 32), gen)
-    given["gen_length"] = gen
-    from polestar_jax.family import polestar_config_for
+    def flag(name: str) -> str:
+        cls = PolestarConfig if name in {f.name for f in dataclasses.fields(PolestarConfig)} else DecodeConfig
+        return cli.flag_of(cls, name, {**given, **knobs}.get(name))
 
-    return DecodeConfig(**{**given, "decoder": decoder}, polestar=polestar_config_for(family, decoder, **knobs))
+    return resolve(given, knobs, defaults, family=family, name=flag)
+
+
+def decode_config_from_args(args, defaults: Optional[dict] = None, family: Optional[str] = None) -> DecodeConfig:
+    """The :class:`DecodeConfig` of the parsed arguments (see :func:`resolve_args`)."""
+    return resolve_args(args, defaults, family).decode
 
 
 def read_prompts(args) -> list[str]:
@@ -106,16 +104,6 @@ def read_prompts(args) -> list[str]:
         if not p.strip():
             raise PolestarError(f"prompt {i} is empty")
     return prompts
-
-
-def response_ids(tokens: Sequence[int], cfg: ModelConfig, stop_ids: Sequence[int]) -> list[int]:
-    """Generated ids up to (excluding) the first end-of-text token."""
-    out = []
-    for t in tokens:
-        if t in stop_ids:
-            break
-        out.append(int(t))
-    return out
 
 
 from polestar_jax.cache import enable_compile_cache  # noqa: E402,F401 - kept here for callers and tests
@@ -175,15 +163,21 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     from polestar_jax.tokenizer import bundled_model_dir
 
     defaults = {} if args.dry_run and args.model_config else generation_defaults(args.model or bundled_model_dir())
-    dcfg = decode_config_from_args(args, defaults, _family(args.model_config if args.dry_run and args.model_config
-                                                           else args.model or bundled_model_dir()))
+    resolved = resolve_args(args, defaults, _family(args.model_config if args.dry_run and args.model_config
+                                                    else args.model or bundled_model_dir()))
+    dcfg = resolved.decode
+    if not args.quiet:
+        for note in resolved.notes:
+            print(f"note: {note}", file=sys.stderr)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise PolestarError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts = None if args.dry_run else read_prompts(args)
     enable_compile_cache()
     if args.dry_run:
         return dry_run(args, dcfg)
 
     from polestar_jax.checkpoint import load_model
-    from polestar_jax.engine import generate
+    from polestar_jax.engine import Engine
     from polestar_jax.tokenizer import load_tokenizer
 
     from polestar_jax import sharding
@@ -197,52 +191,54 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     cfg, params = load_model(model_dir, dtype=args.dtype, shardings=mesh)  # each process reads its shards
     tok = load_tokenizer(model_dir)
     ids = [tok.encode(p) if args.no_chat else tok.chat_prompt_ids(p) for p in prompts]
-    res = generate(params, cfg, ids, dcfg, seed=args.seed, mesh=mesh)
+    log = None if args.quiet or not sharding.is_leader() else (lambda m: print(m, file=sys.stderr, flush=True))
+    engine = Engine(params, cfg, tok, mesh=mesh, log=log)
+    job = engine.generate(ids, dcfg, seed=args.seed, batch_size=args.batch_size)
     if not sharding.is_leader():  # process 0 prints the results (every process has them)
         return 0
-
-    stop = {cfg.eos_token_id, cfg.pad_token_id} | tok.end_of_turn_ids  # and <|eot_id|> / <|im_end|>
+    # with --json, stdout carries exactly one line (the JSON document); the text goes to stderr
+    text_out = sys.stderr if args.json else sys.stdout
     rows = []
-    for r in range(len(prompts)):
-        gen = res.tokens[r].tolist()
-        resp = response_ids(gen, cfg, sorted(stop))
-        # TPF as the paper (and bench.run, the eval harness) count it: non-EOS generated tokens / NFE
-        n_tokens = sum(1 for t in gen if t not in (cfg.eos_token_id, cfg.pad_token_id))
-        nfe = int(res.nfe[r])
-        row = {"prompt": prompts[r], "text": tok.decode(resp), "token_ids": gen, "nfe": nfe,
-               "tpf": n_tokens / nfe if nfe else 0.0, "generated_tokens": n_tokens}
-        if res.polestar is not None:
-            row.update(refresh_steps=int(res.polestar["refresh_steps"][r].sum()),
-                       early_commits=int(res.polestar["early"][r]),
-                       suffix_commits=int(res.polestar["suffix"][r]),
-                       windowed_passes=int(res.polestar["windowed"][r].sum()))
+    for i, r in enumerate(job.rows):
+        c = engine.completion(r)
+        row = {"prompt": prompts[i], "text": tok.decode(c.response_ids), "token_ids": [int(t) for t in r.tokens],
+               "nfe": c.nfe, "tpf": c.tpf, "generated_tokens": c.non_eos_tokens, "finish_reason": c.finish_reason,
+               "blocks": len(r.block_nfe)}
+        row.update(c.stats)
         rows.append(row)
     total_tokens = sum(r["generated_tokens"] for r in rows)
-    tps = total_tokens / res.seconds if res.seconds > 0 else 0.0
+    nfe = sum(r["nfe"] for r in rows)
+    tps = total_tokens / job.seconds if job.seconds > 0 else 0.0
     for i, row in enumerate(rows):
         if len(rows) > 1:
-            print(f"--- [{i}] {row['prompt']}")
-        print(row["text"])
+            print(f"--- [{i}] {row['prompt']}", file=text_out)
+        print(row["text"], file=text_out)
         extra = ""
         if "refresh_steps" in row:
             extra = (f" refresh_steps={row['refresh_steps']} early_commits={row['early_commits']} "
                      f"suffix_commits={row['suffix_commits']}")
         print(f"[{dcfg.decoder}/{dcfg.cache}] nfe={row['nfe']} tpf={row['tpf']:.2f} "
-              f"tokens={row['generated_tokens']}{extra}")
-    print(f"stats: nfe={int(res.nfe.sum())} tpf={total_tokens / max(int(res.nfe.sum()), 1):.2f} "
-          f"tokens/s={tps:.1f} decode={res.seconds:.3f}s compile={res.compile_seconds:.2f}s")
+              f"tokens={row['generated_tokens']}{extra}", file=text_out)
+    print(f"stats: nfe={nfe} tpf={total_tokens / max(nfe, 1):.2f} tokens/s={tps:.1f} decode={job.seconds:.3f}s "
+          f"compile={job.compile_seconds:.2f}s", file=text_out)
     if args.json:
-        out = dict(rows[0]) if len(rows) == 1 else {"text": [r["text"] for r in rows]}
-        for key in ("refresh_steps", "early_commits", "suffix_commits"):
-            if key in rows[0]:
-                out[key] = rows[0][key] if len(rows) == 1 else [r[key] for r in rows]
-        out.update({"nfe": rows[0]["nfe"] if len(rows) == 1 else [r["nfe"] for r in rows],
-                    "tpf": rows[0]["tpf"] if len(rows) == 1 else [r["tpf"] for r in rows],
-                    "token_ids": rows[0]["token_ids"] if len(rows) == 1 else [r["token_ids"] for r in rows],
-                    "tps": tps, "decode_seconds": res.seconds, "compile_seconds": res.compile_seconds,
-                    "decoder": dcfg.decoder, "cache": dcfg.cache, "model": model_dir, "rows": rows})
-        cli.print_json(out)
+        cli.print_json(_json_document(rows, tps, job, dcfg, model_dir))
     return 0
+
+
+def _json_document(rows: list[dict], tps: float, job, dcfg: DecodeConfig, model_dir: str) -> dict:
+    """The ``--json`` document: one row's fields (several rows: lists), the job's totals and every row."""
+    one = len(rows) == 1
+    out = dict(rows[0]) if one else {"text": [r["text"] for r in rows]}
+    for key in ("refresh_steps", "early_commits", "suffix_commits"):
+        if key in rows[0]:
+            out[key] = rows[0][key] if one else [r[key] for r in rows]
+    for key in ("nfe", "tpf", "token_ids"):
+        out[key] = rows[0][key] if one else [r[key] for r in rows]
+    out.update({"tps": tps, "decode_seconds": job.seconds, "compile_seconds": job.compile_seconds,
+                "decoder": dcfg.decoder, "cache": dcfg.cache, "gen_length": dcfg.gen_length,
+                "block_length": dcfg.block_length, "early_exit": dcfg.early_exit, "model": model_dir, "rows": rows})
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

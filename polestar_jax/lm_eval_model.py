@@ -10,10 +10,11 @@ registers the class; ``python -m polestar_jax.eval`` is the command line over it
                             tasks=["gsm8k"], apply_chat_template=True, fewshot_as_multiturn=False)
 
 ``model_args`` (``key=value`` pairs, see :data:`MODEL_ARGS`): ``model`` (a folder; default the bundled
-``tiny_tasks``), ``decoder``, ``cache``, ``gen_length``, ``block_length``, ``steps``, ``threshold``, ``factor``,
-``temperature``, ``remasking``, every :class:`~polestar_jax.config.PolestarConfig` field (``top_k``,
-``early_threshold``, ...), ``batch_size``, ``dtype``, ``mesh`` (axes separated by ``;`` because ``,`` separates
-the arguments: ``mesh=data=2;model=4``), ``seed``, ``pad_multiple``, ``apply_until``, and for
+``tiny_tasks``), every :class:`~polestar_jax.config.DecodeConfig` field but ``polestar`` (``decoder``,
+``cache``, ``gen_length``, ``block_length``, ``threshold``, ...) and every
+:class:`~polestar_jax.config.PolestarConfig` field (``top_k``, ``early_threshold``, ...; all of them in
+``docs/configuration.md``), ``batch_size``, ``dtype``, ``mesh`` (axes separated by ``;`` because ``,``
+separates the arguments: ``mesh=data=2;model=4``), ``seed``, ``pad_multiple``, ``apply_until``, and for
 log-likelihoods ``mc_num``, ``mc_batch``, ``cfg``, ``check_greedy``. A bad value is a one-line
 :class:`PolestarError`.
 
@@ -21,8 +22,10 @@ generate_until
     Request ``i`` of a task (its position in lm-eval's document order, ``doc_id * repeats + repeat``) is row
     ``i`` of the job, keyed by ``(seed, i)`` exactly as the ``i``-th prompt of ``generate --prompts-file``.
     Requests are grouped by task, generation length and padded prompt length (multiples of
-    ``pad_multiple``), and each group decodes in batches of ``min(batch_size, group size)`` rows (the last
-    padded with copies of its first request), so one executable serves a group. ``max_gen_toks`` maps to
+    ``pad_multiple``), and each group decodes as one continuous job of ``min(batch_size, group size)`` rows
+    at once (a finished row's slot takes the group's next request at the next block boundary; a row stops
+    after the first finished block that holds a stop token unless ``early_exit=false``), so one executable
+    serves a group. ``max_gen_toks`` maps to
     the generation length ``block_length * ceil(max_gen_toks / block_length)`` (the smallest multiple of the
     block length that holds it) unless ``gen_length`` is given, which then serves every request (the
     paper's protocol: gen 256 or 512 whatever the task asks). The prompt is the context lm-eval built
@@ -342,37 +345,39 @@ class PolestarLM(LM):
             members.sort(key=lambda i: rows[i])
             dcfg = self.decode_config(G)
             b = min(self.batch_size, len(members))
-            for start in range(0, len(members), b):
-                chunk = members[start:start + b]
-                pad = [chunk[0]] * (b - len(chunk))
-                res = self.model.generate_ids([prompts[i] for i in chunk + pad], dcfg, seed=self.seed,
-                                              rows=[rows[i] for i in chunk + pad], prompt_slot=slot)
-                share = res.seconds / len(chunk)
-                batch_id = len(self.batches)
-                self.batches.append({"task": task, "gen_length": G, "prompt_slot": slot, "rows": b,
-                                     "real_rows": len(chunk), "decode_seconds": res.seconds,
-                                     "compile_seconds": res.compile_seconds})
-                for j, i in enumerate(chunk):
-                    g = res[j]
-                    until = list(gens[i].get("until") or [])
-                    if isinstance(gens[i].get("until"), str):
-                        until = [gens[i]["until"]]
-                    text = apply_until(g.text, until) if self.apply_until else g.text
-                    full = tok.decode(g.token_ids, skip_special_tokens=False)
-                    kept = apply_until(full, until) if self.apply_until else full
-                    until_tokens = sum(1 for t in tok.encode(kept) if t not in self.model.eos_ids)
-                    out[i] = text
-                    self.records.append({
-                        "task": task, "doc_id": getattr(requests[i], "doc_id", None), "row": rows[i],
-                        "batch": batch_id, "gen_length": G, "block_length": dcfg.block_length,
-                        "prompt_tokens": len(prompts[i]), "nfe": g.nfe, "non_eos_tokens": g.non_eos_tokens,
-                        "until_tokens": until_tokens, "tpf": g.tpf, "decode_seconds": share,
-                        "compile_seconds": res.compile_seconds / len(chunk), **g.stats})
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                tokens_done += sum(res[j].non_eos_tokens for j in range(len(chunk)))
-                nfe_done += sum(res[j].nfe for j in range(len(chunk)))
-                seconds_done += res.seconds
-                if bar is not None:
+            # one continuous job per group: b rows decode at once, a finished row's slot takes the next request
+            res = self.model.generate_ids([prompts[i] for i in members], dcfg, seed=self.seed,
+                                          rows=[rows[i] for i in members], prompt_slot=slot, batch_size=b)
+            share = res.seconds / len(members)
+            batch_id = len(self.batches)
+            self.batches.append({"task": task, "gen_length": G, "prompt_slot": slot, "rows": b,
+                                 "real_rows": len(members), "decode_seconds": res.seconds,
+                                 "compile_seconds": res.compile_seconds})
+            for j, i in enumerate(members):
+                g = res[j]
+                until = list(gens[i].get("until") or [])
+                if isinstance(gens[i].get("until"), str):
+                    until = [gens[i]["until"]]
+                text = apply_until(g.text, until) if self.apply_until else g.text
+                full = tok.decode(g.token_ids, skip_special_tokens=False)
+                kept = apply_until(full, until) if self.apply_until else full
+                until_tokens = sum(1 for t in tok.encode(kept) if t not in self.model.eos_ids)
+                out[i] = text
+                self.records.append({
+                    "task": task, "doc_id": getattr(requests[i], "doc_id", None), "row": rows[i],
+                    "batch": batch_id, "gen_length": G, "block_length": dcfg.block_length,
+                    "prompt_tokens": len(prompts[i]), "nfe": g.nfe, "non_eos_tokens": g.non_eos_tokens,
+                    "until_tokens": until_tokens, "tpf": g.tpf, "decode_seconds": share,
+                    "compile_seconds": res.compile_seconds / len(members), **g.stats})
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            tokens_done += res.non_eos_tokens
+            nfe_done += res.nfe
+            seconds_done += res.seconds
+            if bar is not None:
+                bar.set_postfix_str(f"{tokens_done / seconds_done if seconds_done > 0 else 0.0:.1f} tok/s, "
+                                    f"tpf {tokens_done / max(1, nfe_done):.2f}", refresh=False)
+                bar.update(len(members))
+        if bar is not None:
                     bar.set_postfix_str(f"{tokens_done / seconds_done if seconds_done > 0 else 0.0:.1f} tok/s, "
                                         f"tpf {tokens_done / max(1, nfe_done):.2f}", refresh=False)
                     bar.update(len(chunk))

@@ -97,6 +97,29 @@ def _host_put(store: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, i, r: s.at[i].set(r, mode="drop"))(store, idx, rows)
 
 
+@compute_on_host
+@jax.jit
+def _host_where(pred: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Runs on the host: ``a`` where ``pred`` (a scalar or [b, 1, ...] broadcastable), else ``b``."""
+    return jnp.where(pred, a, b)
+
+
+def reshape(a: jax.Array, shape: tuple, pc: Optional[PolestarConfig]) -> jax.Array:
+    """Inside a jitted step: ``a.reshape(shape)`` for store arrays (on the host when offloaded, so the array
+    stays in host memory)."""
+    if pc is not None and uses_host(pc):
+        return compute_on_host(jax.jit(lambda x: x.reshape(shape)))(a)
+    return a.reshape(shape)
+
+
+def where(pred: jax.Array, a: jax.Array, b: jax.Array, pc: PolestarConfig) -> jax.Array:
+    """Inside a jitted step: ``jnp.where(pred, a, b)`` for store arrays (host memory when offloaded: the
+    select runs there)."""
+    if uses_host(pc):
+        return _host_where(jax.device_put(pred, jax.memory.Space.Host), a, b)
+    return jnp.where(pred, a, b)
+
+
 def fetch_rows(stored: jax.Array, scale: jax.Array, idx: jax.Array, valid: jax.Array, pc: PolestarConfig,
                dtype) -> jax.Array:
     """Inside a jitted step: rows ``idx`` [b, w] of one layer's store (``stored`` [b, R, D], ``scale``

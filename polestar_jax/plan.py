@@ -85,7 +85,7 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
         knobs = Knobs.from_config(dcfg)
         t0 = time.perf_counter()
         exe = jax.jit(decode_block, static_argnames=("spec",)).lower(
-            params, state, jnp.int32(0), knobs, None, spec).compile()
+            params, state, knobs, None, spec).compile()
         secs = time.perf_counter() - t0
         ma = exe.memory_analysis()
         if ma is not None:

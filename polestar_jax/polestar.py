@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax.block import BlockCtx, Policy, write_commits
+from polestar_jax import offload
+from polestar_jax.policy import BlockCtx, Policy, write_commits
 from polestar_jax.commit import Prediction, commit_threshold, noise_keys, predict
 from polestar_jax.draws import at_forward, block_start_draws
 from polestar_jax.drift import drift_delta, push_history
@@ -30,6 +31,7 @@ from polestar_jax.family import family_of
 from polestar_jax.polestar_start import start_pass
 from polestar_jax.polestar_state import geometry, rows_at
 from polestar_jax.polestar_step import StepForwardOut, step_forward
+from polestar_jax.rows import batch_any
 from polestar_jax.state import DecodeState, select_rows
 
 
@@ -85,7 +87,21 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
         geo = jax.tree.map(lambda w, f: jnp.where(windowed, w, f), geo_w, geo)
     draws = block_start_draws(state, geo, ctx.cfg, pc, block, ctx.replay)
     run = lambda w: (lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, w, draws, spec.unroll))
-    out = lax.cond(windowed, run(True), run(False)) if pc.windowed_period else run(False)()
+    if not pc.windowed_period:
+        out = run(False)()
+    else:  # rows at different blocks may need different passes: each pass runs when a live row needs it
+        any_w, any_f = batch_any(windowed & ctx.live), batch_any(~windowed & ctx.live)
+        shape = jax.eval_shape(run(False))
+
+        def skip():  # the pass no live row needs: zeros of its shape (the store where it lives)
+            z = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
+            return z._replace(hs=offload.to_host(z.hs, pc), hs_scale=offload.to_host(z.hs_scale, pc))
+
+        out_w, out_f = lax.cond(any_w, run(True), skip), lax.cond(any_f, run(False), skip)
+        sel = jax.tree.map(lambda a, b: jnp.where(windowed, a, b), out_w._replace(hs=None, hs_scale=None),
+                           out_f._replace(hs=None, hs_scale=None))
+        out = sel._replace(hs=offload.where(windowed, out_w.hs, out_f.hs, pc),
+                           hs_scale=offload.where(windowed, out_w.hs_scale, out_f.hs_scale, pc))
     pol = state.polestar
     masked = ctx.masked(state)
     active = jnp.any(masked, axis=1)
@@ -122,7 +138,7 @@ def _forward(ctx: BlockCtx, state: DecodeState, geo, cluster) -> StepForwardOut:
         forced = (at(ctx.replay.topk), at(ctx.replay.topk_forced))
     fwd = lambda r: (lambda: step_forward(ctx.params, state, geo, ctx.cfg, pc, ctx.block, r, cluster, forced,
                                           ctx.spec.unroll))
-    return lax.cond(jnp.any(cluster), fwd(True), fwd(False)) if pc.refresh else fwd(False)()
+    return lax.cond(batch_any(cluster), fwd(True), fwd(False)) if pc.refresh else fwd(False)()
 
 
 def _early(ctx: BlockCtx, conf, masked, delta, active):
@@ -145,7 +161,8 @@ def _suffix(ctx: BlockCtx, state: DecodeState, new: DecodeState, out: StepForwar
     # a refreshed row predicts the position its family's logit shift says (LLaDA its own, Dream the next)
     suf_pos = ctx.cs + block + jnp.arange(suf) + family_of(ctx.cfg).logit_shift
     cand = (out.sel_suf & (rows_at(new.x, suf_pos) == ctx.cfg.mask_token_id) & geo.ref_valid[:, -suf:]
-            & (suf_pos < state.x.shape[1])[None] & (cluster & active)[:, None])
+            & (suf_pos < state.x.shape[1])[None] & rows_at(new.key_valid, suf_pos)
+            & (cluster & active)[:, None])
     sp = _predict(ctx, state, out.logits_suf, cand, salt=2)
     commit = cand & (sp.conf >= ctx.knobs.threshold)
     return write_commits(new, commit, sp.x0, positions=suf_pos[None]), commit
@@ -211,7 +228,7 @@ POLICIES = {"polestar": POLICY}
 
 def block_start(params, state: DecodeState, block_idx, mcfg, dcfg) -> DecodeState:
     """Polestar's block start for ``dcfg`` outside the block program (tests, benches, step timing)."""
-    from polestar_jax.block import EngineSpec, Knobs, context
+    from polestar_jax.policy import EngineSpec, Knobs, context
 
     spec = EngineSpec.from_config(mcfg, dcfg)
     return start(context(params, state, block_idx, Knobs.from_config(dcfg), None, spec), state)

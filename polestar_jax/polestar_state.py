@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from polestar_jax.offload import store_dtype
 from polestar_jax.config import ModelConfig, PolestarConfig
-from polestar_jax.state import LAYER_BATCH, DecodeState, axes
+from polestar_jax.axes import LAYER_BATCH, axes
 
 
 @flax.struct.dataclass
@@ -64,7 +64,7 @@ class PolestarState:
     suffix: jax.Array = axes()
 
 
-#: The per-row statistics :func:`polestar_jax.engine.generate` reports (``GenerateResult.polestar``).
+#: The per-row statistics the engine reports (``GenerateResult.polestar``, ``RowOutput.polestar``).
 STAT_FIELDS = ("full_pass", "windowed", "refresh_steps", "processed", "early", "suffix")
 
 
@@ -94,24 +94,23 @@ class Geometry(NamedTuple):
 
     cs: jax.Array  # [] block start
     ref_pos: jax.Array  # [R] positions of the refresh rows (may be < 0 or >= L)
-    ref_valid: jax.Array  # [b, R] position exists and is not padding
+    ref_valid: jax.Array  # [b, R] position exists, is not padding and lies within the row's length
     pre_len: jax.Array  # [b] valid prefix rows (the last ones of the prefix part)
     suf_len: jax.Array  # [b] valid suffix rows (the first ones of the suffix part)
 
 
-def geometry(state: DecodeState, cs, block: int, pc: PolestarConfig, window=None) -> Geometry:
+def geometry(state, cs, block: int, pc: PolestarConfig, window=None) -> Geometry:
     """The refresh window of the block starting at ``cs``: the store's rows (``pc.prefix_rows`` before the
     block, ``pc.suffix_rows`` after it). ``window`` (rows before, rows after; may be traced) narrows which
     of them are valid (a block start's own window, ``PolestarConfig.pass_window``); default: all."""
     length = state.x.shape[1]
     pre, suf = pc.prefix_rows(block), pc.suffix_rows(block)
-    pad = -state.pos[:, 0]  # first real position of every row
     ref_pos = jnp.concatenate([cs - pre + jnp.arange(pre), cs + block + jnp.arange(suf)])
     is_pre = jnp.arange(pre + suf) < pre
-    ref_valid = jnp.where(is_pre[None], ref_pos[None] >= pad[:, None], (ref_pos < length)[None])
+    # a row exists where it is a valid key: not left padding, not past the row's own generation length
+    ref_valid = rows_at(state.key_valid, ref_pos) & ((ref_pos >= 0) & (ref_pos < length))[None]
     if window is not None:
         ref_valid = ref_valid & jnp.where(is_pre, ref_pos >= cs - window[0], ref_pos < cs + block + window[1])[None]
-    ref_valid = ref_valid & (ref_pos[None] >= 0)
     pre_len = jnp.sum(ref_valid[:, :pre], axis=1).astype(jnp.int32)
     suf_len = jnp.sum(ref_valid[:, pre:], axis=1).astype(jnp.int32)
     return Geometry(jnp.asarray(cs, jnp.int32), ref_pos, ref_valid, pre_len, suf_len)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from polestar_jax import commit as commit_rules
-from polestar_jax.block import BlockCtx, EngineSpec, Policy, write_commits
+from polestar_jax.policy import BlockCtx, EngineSpec, Policy, write_commits
 from polestar_jax.family import family_of
 from polestar_jax.state import DecodeState
 

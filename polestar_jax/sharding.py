@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import functools
 import threading
 from typing import Any, NamedTuple, Optional
 
@@ -110,7 +111,7 @@ def param_shardings(params: Any, mesh: Mesh, cfg: Any = None) -> Any:
 def state_shardings(tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a DecodeState (or a Replay / any pytree whose leaves lead with the batch), from
     the axes each state field declares (:func:`polestar_jax.state.axes`)."""
-    from polestar_jax.state import axes_of
+    from polestar_jax.axes import axes_of
 
     return jax.tree.map(lambda leaf, ax: NamedSharding(mesh, _fit(leaf.shape, ax.spec, mesh) if leaf.ndim else P()),
                         tree, axes_of(tree))
@@ -151,12 +152,9 @@ def _env_int(name: str) -> Optional[int]:
 
 
 def _joined() -> bool:
-    is_init = getattr(jax.distributed, "is_initialized", None)
-    if is_init is not None:
-        return bool(is_init())
-    from jax._src import distributed  # older JAX
+    from polestar_jax import compat
 
-    return distributed.global_state.client is not None
+    return compat.distributed_joined()
 
 
 def _detected_cluster() -> Optional[str]:
@@ -165,11 +163,10 @@ def _detected_cluster() -> Optional[str]:
     or a single-process job inside a cluster, which has nothing to join)."""
     import warnings
 
-    try:
-        from jax._src import clusters  # JAX's own registry of cluster environments
+    from polestar_jax import compat
 
-        kinds = [c for c in clusters.ClusterEnv._cluster_types if not getattr(c, "opt_in_only_method", False)]
-    except Exception:  # noqa: BLE001 - another JAX layout: no auto-detection
+    kinds = compat.cluster_env_types()  # JAX's own registry of cluster environments
+    if not kinds:
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. "Kubernetes detected but the kubernetes package is missing"
@@ -244,13 +241,9 @@ def _join_settings(coordinator: Optional[str], num_processes: Optional[int],
 def _check_devices_unused() -> None:
     """Raises :class:`PolestarError` when JAX has already set up its backends in this process (a runtime
     can only be joined before anything uses a device)."""
-    try:
-        from jax._src import xla_bridge
+    from polestar_jax import compat
 
-        started = xla_bridge.backends_are_initialized()
-    except Exception:  # noqa: BLE001 - another JAX layout: let jax.distributed.initialize decide
-        started = False
-    if started:
+    if compat.backends_initialized():
         raise PolestarError("cannot join a multi-process runtime: JAX already uses its devices in this process "
                             "(join first: polestar_jax.sharding.join_runtime() before any jax computation)")
 
@@ -336,16 +329,11 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-_REPLICATE: dict = {}
-
-
-def _replicated(n: int, mesh: Mesh):
-    """A jitted identity of ``n`` arrays whose outputs are replicated over ``mesh`` (cached)."""
-    fn = _REPLICATE.get((n, mesh))
-    if fn is None:
-        rep = NamedSharding(mesh, P())
-        fn = _REPLICATE[(n, mesh)] = jax.jit(lambda *a: a, out_shardings=(rep,) * n)
-    return fn
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _replicate(xs: tuple, mesh: Mesh) -> tuple:
+    """``xs`` replicated over ``mesh`` (one program per mesh and shapes: jit's own cache)."""
+    rep = NamedSharding(mesh, P())
+    return tuple(jax.lax.with_sharding_constraint(x, rep) for x in xs)
 
 
 def to_host(tree: Any) -> Any:
@@ -361,7 +349,7 @@ def to_host(tree: Any) -> Any:
     for mesh, idx in groups.items():
         xs = [leaves[i] for i in idx]
         if isinstance(mesh, Mesh):
-            xs = _replicated(len(xs), mesh)(*xs)
+            xs = _replicate(tuple(xs), mesh)
         else:  # another kind of sharding
             from jax.experimental import multihost_utils
 

@@ -11,7 +11,6 @@ knows where a field's batch axis is.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -20,21 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from polestar_jax.axes import BATCH, LAYER_BATCH, Axes, axes, axes_of, select_rows  # noqa: F401 (re-exported)
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
-
-#: Axes of a batch-leading field: [b, ...].
-BATCH = ("data",)
-#: Axes of a layer-major field: [N, b, ...].
-LAYER_BATCH = (None, "data")
-
-
-def axes(spec: tuple = BATCH, select: bool = True, **kwargs):
-    """A state field whose dimensions map to the mesh axes ``spec`` (``"data"`` marks the batch axis,
-    ``"model"`` a dimension that may be split over the model axis, None a replicated one). ``select=False``:
-    :func:`select_rows` takes the new value as is (fields a step only writes for active rows)."""
-    return flax.struct.field(metadata={"axes": tuple(spec), "select": select}, **kwargs)
-
 
 @flax.struct.dataclass
 class DecodeState:
@@ -47,6 +34,9 @@ class DecodeState:
     key_valid    [b, L] bool    False on left padding.
     rng          [b, 2] uint32  one PRNG key per row (sampling noise; folded with the row's forward count).
     block_nfe    [b, n_blocks] int32  forwards spent on each block.
+    block        [b]    int32   the row's next block (per-row progress: rows of a batch may sit at different blocks).
+    n_blocks     [b]    int32   the row's number of blocks (its generation length / block length; 0: a free slot).
+    stop         [b]    bool    the row ended early: a finished block held one of the stop tokens (early exit).
     k_cache, v_cache  [N, b, KV, L, hd] or None: un-rotated K/V of the last full pass / step.
     polestar     Polestar's clusters, hidden states and drift state
                  (:class:`polestar_jax.polestar_state.PolestarState`, decoder "polestar"), else None.
@@ -59,56 +49,12 @@ class DecodeState:
     key_valid: jax.Array = axes()
     rng: jax.Array = axes()
     block_nfe: jax.Array = axes()
+    block: jax.Array = axes()
+    n_blocks: jax.Array = axes()
+    stop: jax.Array = axes()
     k_cache: Optional[jax.Array] = axes((None, "data", "model"), default=None)
     v_cache: Optional[jax.Array] = axes((None, "data", "model"), default=None)
     polestar: Optional[Any] = flax.struct.field(default=None)
-
-
-# ------------------------------------------------------------------------------------ declared axes
-class Axes:
-    """The declared mesh axes of one array leaf (an opaque pytree leaf)."""
-
-    def __init__(self, spec: tuple, select: bool = True):
-        self.spec, self.select = tuple(spec), select
-
-    @property
-    def batch(self) -> int:
-        """Index of the batch dimension."""
-        return self.spec.index("data")
-
-    def __repr__(self):
-        return f"Axes{self.spec}"
-
-
-def axes_of(tree: Any) -> Any:
-    """A pytree like ``tree`` (a state dataclass, or any pytree whose leaves lead with the batch, such as
-    a Replay) with an :class:`Axes` in place of every array leaf."""
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        out = {}
-        for f in dataclasses.fields(tree):
-            v = getattr(tree, f.name)
-            if v is None or not f.metadata.get("pytree_node", True):
-                out[f.name] = v
-            elif "axes" in f.metadata:
-                out[f.name] = jax.tree.map(lambda _: Axes(f.metadata["axes"], f.metadata["select"]), v)
-            else:
-                out[f.name] = axes_of(v)
-        return tree.replace(**out)
-    return jax.tree.map(lambda leaf: Axes(BATCH[: min(1, len(getattr(leaf, "shape", ())))]), tree)
-
-
-def select_rows(active: jax.Array, new: Any, old: Any) -> Any:
-    """Per batch row: ``new`` where ``active`` [b], else ``old`` (a finished row waits unchanged); fields
-    declared ``select=False`` take ``new`` as is."""
-
-    def sel(n, o, ax: Axes):
-        if not ax.select:
-            return n
-        shape = [1] * n.ndim
-        shape[ax.batch] = active.shape[0]
-        return jnp.where(active.reshape(shape), n, o)
-
-    return jax.tree.map(sel, new, old, axes_of(new))
 
 
 # ---------------------------------------------------------------------------------------- building
@@ -143,6 +89,7 @@ class PromptFields(NamedTuple):
     pos: np.ndarray  # [b, L] int32
     key_valid: np.ndarray  # [b, L] bool
     rng: np.ndarray  # [b, 2] uint32
+    n_blocks: np.ndarray  # [b] int32 each row's number of blocks
 
 
 class StateLayout(NamedTuple):
@@ -157,12 +104,16 @@ class StateLayout(NamedTuple):
 
 
 def prompt_fields(prompts: Sequence[Sequence[int]], cfg: ModelConfig, gen_length: int, prompt_slot: int,
-                  seeds: Sequence) -> PromptFields:
+                  seeds: Sequence, block_length: int = 0,
+                  gen_lengths: Optional[Sequence[int]] = None) -> PromptFields:
     """Prompts left-padded into ``prompt_slot`` slots with ``gen_length`` masks after, their RoPE positions,
     key validity and per-row keys (``seeds``: per row key data [2] (:func:`row_key_data`) or an int seed
-    (``jax.random.PRNGKey(seed)``)), in numpy."""
+    (``jax.random.PRNGKey(seed)``)), in numpy. ``gen_lengths`` (per row, multiples of ``block_length`` up to
+    ``gen_length``; default ``gen_length``): a shorter row's positions after its own generation are hidden
+    from attention (``key_valid`` False), so it computes what it would with a region of its own length."""
     b = len(prompts)
     length = prompt_slot + gen_length
+    gens = np.full((b,), gen_length, np.int32) if gen_lengths is None else np.asarray(gen_lengths, np.int32)
     x = np.full((b, length), cfg.mask_token_id, np.int32)
     pad = np.zeros((b,), np.int32)
     for r, p in enumerate(prompts):
@@ -171,7 +122,9 @@ def prompt_fields(prompts: Sequence[Sequence[int]], cfg: ModelConfig, gen_length
         x[r, pad[r]: prompt_slot] = np.asarray(p, np.int32)
     idx = np.arange(length, dtype=np.int32)[None, :]
     rng = np.stack([np.asarray(s, np.uint32) if np.ndim(s) else seed_key_data(s) for s in seeds])
-    return PromptFields(x, idx - pad[:, None], idx >= pad[:, None], rng)
+    valid = (idx >= pad[:, None]) & (idx < prompt_slot + gens[:, None])
+    n_blocks = gens // block_length if block_length else np.zeros((b,), np.int32)
+    return PromptFields(x, idx - pad[:, None], valid, rng, n_blocks.astype(np.int32))
 
 
 def build_state(fields: PromptFields, layout: StateLayout) -> DecodeState:
@@ -188,7 +141,8 @@ def build_state(fields: PromptFields, layout: StateLayout) -> DecodeState:
     state = DecodeState(
         x=jnp.asarray(fields.x), commit_step=jnp.full((b, length), -1, jnp.int32), nfe=jnp.zeros((b,), jnp.int32),
         pos=jnp.asarray(fields.pos), key_valid=jnp.asarray(fields.key_valid), rng=jnp.asarray(fields.rng),
-        block_nfe=jnp.zeros((b, layout.num_blocks), jnp.int32), k_cache=k_cache, v_cache=v_cache,
+        block_nfe=jnp.zeros((b, layout.num_blocks), jnp.int32), block=jnp.zeros((b,), jnp.int32),
+        n_blocks=jnp.asarray(fields.n_blocks), stop=jnp.zeros((b,), bool), k_cache=k_cache, v_cache=v_cache,
     )
     if layout.polestar is not None:
         from polestar_jax.polestar_state import init_polestar_state
@@ -210,27 +164,29 @@ def init_state(
 ) -> DecodeState:
     """The common part of the state: prompts left-padded into ``prompt_slot`` slots, ``gen_length`` masks
     after, and (``cache``) an empty K/V cache. Use :func:`init_decode_state` for a whole decoder state."""
-    return build_state(prompt_fields(prompts, cfg, gen_length, prompt_slot, seeds),
+    return build_state(prompt_fields(prompts, cfg, gen_length, prompt_slot, seeds, gen_length // num_blocks),
                        StateLayout(cfg, num_blocks, cache, np.dtype(dtype)))
 
 
-_SHARDED_BUILDERS: dict = {}
-
-
-def build_sharded(fields: PromptFields, layout: StateLayout, mesh) -> DecodeState:
+def build_sharded(fields: PromptFields, layout: StateLayout, mesh, builders: Optional[dict] = None) -> DecodeState:
     """:func:`build_state` as one compiled program whose outputs carry their mesh shardings
     (:func:`polestar_jax.sharding.state_shardings`): every device creates only its own shards, so a large
     K/V cache or Polestar store never exists whole on one device. The small prompt fields are placed on
-    their shards first (:func:`polestar_jax.sharding.shard`, multi-process safe). One executable per
-    (layout, mesh, shapes)."""
+    their shards first (:func:`polestar_jax.sharding.shard`, multi-process safe). ``builders``: a dict the
+    caller owns (an :class:`polestar_jax.engine.Engine`'s) that keeps one builder per (layout, mesh, shapes);
+    None builds one for this call."""
     from polestar_jax.sharding import shard, state_shardings
 
-    key = (layout, mesh, fields.x.shape)
-    if key not in _SHARDED_BUILDERS:
+    key = ("state builder", layout, mesh, fields.x.shape)
+    if builders is None or key not in builders:
         out = state_shardings(jax.eval_shape(functools.partial(build_state, layout=layout), fields), mesh)
-        _SHARDED_BUILDERS[key] = (jax.jit(build_state, static_argnums=1, out_shardings=out),
-                                  PromptFields(out.x, out.pos, out.key_valid, out.rng))
-    fn, field_shardings = _SHARDED_BUILDERS[key]
+        built = (jax.jit(build_state, static_argnums=1, out_shardings=out),
+                 PromptFields(out.x, out.pos, out.key_valid, out.rng, out.n_blocks))
+        if builders is None:
+            fn, field_shardings = built
+            return fn(shard(fields, field_shardings), layout)
+        builders[key] = built
+    fn, field_shardings = builders[key]
     return fn(shard(fields, field_shardings), layout)
 
 
@@ -244,15 +200,18 @@ def init_decode_state(
     dtype=jnp.float32,
     abstract: bool = False,
     mesh=None,
+    gen_lengths: Optional[Sequence[int]] = None,
+    builders: Optional[dict] = None,
 ) -> DecodeState:
     """The whole decode state of ``dcfg``'s decoder for ``prompts``: the common part, the decoder's own
     state (Polestar's clusters, store and drift state), and the Polestar store placed where
     ``PolestarConfig.offload_hidden`` says (host memory). ``abstract=True`` returns ``jax.ShapeDtypeStruct``
     leaves only (memory planning, ahead-of-time compiles). ``mesh`` (a ``jax.sharding.Mesh``): the state is
-    built already sharded over it (:func:`build_sharded`). The engine, the memory planner and every bench
+    built already sharded over it (:func:`build_sharded`, its builder kept in ``builders`` when given). The engine, the memory planner and every bench
     build states here."""
     rows = list(range(len(prompts))) if rows is None else list(rows)
-    fields = prompt_fields(prompts, mcfg, dcfg.gen_length, prompt_slot, [row_key_data(seed, r) for r in rows])
+    fields = prompt_fields(prompts, mcfg, dcfg.gen_length, prompt_slot, [row_key_data(seed, r) for r in rows],
+                           dcfg.block_length, gen_lengths)
     polestar = dcfg.decoder == "polestar"
     layout = StateLayout(mcfg, dcfg.num_blocks, dcfg.cache != "none", np.dtype(dtype), dcfg.block_length,
                          dcfg.polestar if polestar else None)
@@ -265,7 +224,7 @@ def init_decode_state(
             state = state.replace(polestar=state.polestar.replace(
                 **dict(zip(("hs", "hs_scale"), abstract_store(state.polestar.hs, state.polestar.hs_scale)))))
         return state
-    state = build_state(fields, layout) if mesh is None else build_sharded(fields, layout, mesh)
+    state = build_state(fields, layout) if mesh is None else build_sharded(fields, layout, mesh, builders)
     if offload:
         from polestar_jax.offload import place_store
 

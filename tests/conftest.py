@@ -92,14 +92,14 @@ def golden_decode_config(case: dict):
     assert s.get("temperature", 0.0) == 0.0 and s.get("remasking", "low_confidence") == "low_confidence"
     decoder, cache = _FUNCTIONS[case["function"]]
     return DecodeConfig(decoder=decoder, cache=cache, gen_length=s["gen_length"], block_length=s["block_length"],
-                        steps=s["steps"], threshold=s.get("threshold"))
+                        steps=s["steps"], threshold=s.get("threshold"), early_exit=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_a_generations(tiny_a, tiny_a_cases) -> dict:
     """Case name -> :class:`GenerateResult` of every golden generate case, all at prompt slot 48 (21 executables),
     run once per session."""
-    from polestar_jax.engine import generate
+    from engines import generate  # tests/engines.py
 
     cfg, params = tiny_a
     return {c["name"]: generate(params, cfg, [c["prompt_ids"]], golden_decode_config(c), prompt_slot=GOLDEN_SLOT)

@@ -60,18 +60,21 @@ def test_bench_run_smoke(tmp_path, capsys):
         assert mix == pytest.approx(r["nfe"]), r  # every forward has a kind
     by = {(r["decoder"], r["task"]): r for r in rows}
     allr = {d: by[(d, "all")] for d in names}
-    # llada commits one token per forward: exactly gen_length forwards per instance, all full passes
+    # llada commits one token per forward: at most gen_length forwards per instance (early exit stops a row
+    # after the block holding its first stop token), all full passes
     for t in tasks:
-        assert by[("llada", t)]["nfe"] == gen and by[("llada", t)]["forwards_full"] == gen
+        assert 0 < by[("llada", t)]["nfe"] <= gen and by[("llada", t)]["forwards_full"] == by[("llada", t)]["nfe"]
         assert by[("llada", t)]["tpf"] <= 1.0 + 1e-9
     # the checked dual-cache loop only drops the forward after a block-filling full pass: same tokens
     for t in tasks:
         chk, ref = by[("fastdllm-dual-checked", t)], by[("fastdllm-dual", t)]
         assert chk["accuracy"] == ref["accuracy"] and chk["non_eos_tokens"] == ref["non_eos_tokens"]
-        assert chk["nfe"] <= ref["nfe"] and chk["forwards_full"] == ref["forwards_full"] == gen // block
-    # Polestar: at least one forward per block, at most one per token plus the block starts
+        # (one full pass per decoded block; early exit: a row decodes 1 .. gen / block blocks)
+        assert chk["nfe"] <= ref["nfe"] and chk["forwards_full"] == ref["forwards_full"] <= gen // block
+        assert chk["forwards_full"] >= 1
+    # Polestar: at least one forward per decoded block, at most one per token plus the block starts
     pol = allr["polestar"]
-    assert gen // block <= pol["nfe"] <= gen + gen // block
+    assert 1 <= pol["nfe"] <= gen + gen // block
     assert 0.0 <= pol["refresh_rate"] <= 1.0 and "early_commits" in pol
     assert pol["forwards_refresh"] == pol["refresh_steps"] > 0 and 0 < pol["refresh_rows_computed"] <= 3 * block
     # the ablation: commit-only never refreshes (nor pre-commits suffix rows)
@@ -127,8 +130,7 @@ def test_outputs_do_not_depend_on_batching(tiny_tasks_model, name):
     keys = ("nfe", "refresh", "early", "suffix", "full", "windowed", "step", "refresh_rows")
     got = {}
     for batch in (SMOKE_BATCH, 1, 72):
-        res = BR.run_decoder(bm.params, bm.mcfg, bm.tok, d, items, bm.gen_length, bm.block_length, batch, slot,
-                             seed=0)
+        res = BR.run_decoder(bm.engine, bm.tok, d, items, bm.gen_length, bm.block_length, batch, slot, seed=0)
         got[batch] = res
         assert res["tokens"].shape == (len(items), bm.gen_length)
     for batch in (1, 72):
@@ -288,7 +290,7 @@ def test_bundled_model_solves_the_tasks_it_learned():
     README) -- a corrupted or mis-exported checkpoint fails here."""
     from polestar_jax.checkpoint import load_model
     from polestar_jax.config import DecodeConfig
-    from polestar_jax.engine import generate
+    from engines import generate  # tests/engines.py
     from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
 
     cfg, params = load_model(bundled_model_dir())
@@ -320,7 +322,7 @@ def test_probe_commits_sorts_commits_by_kind(capsys):
     slot = BC.prompt_slot(prompts)
     early = 0
     d = BR.resolve_decoders(["polestar-commit-only"], ())[0]
-    for _, n_real, out in BC.decode_batches(bm.params, bm.mcfg, prompts, BR.decode_config(d, G, B), SMOKE_BATCH,
+    for _, n_real, out in BC.decode_batches(bm.engine, prompts, BR.decode_config(d, G, B), SMOKE_BATCH,
                                             slot):
         for r in range(n_real):
             mask = PC.early_mask(out.steps, r, G, B)
@@ -331,7 +333,7 @@ def test_probe_commits_sorts_commits_by_kind(capsys):
 
     res = PC.probe("", SMOKE_TASKS, names, SMOKE_N, batch=SMOKE_BATCH)
     for d in BR.resolve_decoders(names, ()):
-        ref = BR.run_decoder(bm.params, bm.mcfg, bm.tok, d, items, G, B, SMOKE_BATCH, slot, 0)
+        ref = BR.run_decoder(bm.engine, bm.tok, d, items, G, B, SMOKE_BATCH, slot, 0)
         for i, task in enumerate(SMOKE_TASKS):
             s = res[d.name][task]
             assert s["answers"] == SMOKE_N

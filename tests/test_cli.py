@@ -64,12 +64,17 @@ def test_generate_json(env):
              "--block-length", "8", "--json", "--decoder", "fastdllm")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
-    last = json.loads(r.stdout.strip().splitlines()[-1])
-    assert {"text", "token_ids", "nfe", "tpf", "tps"} <= set(last)
-    assert isinstance(last["text"], str)
-    assert len(last["token_ids"]) == 32 and all(isinstance(t, int) for t in last["token_ids"])
-    assert isinstance(last["nfe"], int) and 4 <= last["nfe"] <= 32 + 2 * 4
+    assert len(r.stdout.splitlines()) == 1  # stdout is exactly one JSON document; the text went to stderr
+    last = json.loads(r.stdout)
+    assert {"text", "token_ids", "nfe", "tpf", "tps", "blocks", "finish_reason"} <= set(last)
+    assert isinstance(last["text"], str) and last["text"] in r.stderr and "stats:" in r.stderr
+    # early exit (the default): the decoded blocks only, up to the first block holding a stop token
+    n = len(last["token_ids"])
+    assert n == 8 * last["blocks"] and 8 <= n <= 32 and all(isinstance(t, int) for t in last["token_ids"])
+    assert isinstance(last["nfe"], int) and last["blocks"] <= last["nfe"] <= 32 + 2 * 4
     assert last["tpf"] > 0 and last["tps"] >= 0
+    if n < 32:
+        assert last["finish_reason"] == "stop"
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +137,7 @@ def test_generate_lengths_default_to_the_model_folder(tmp_path, capsys):
     (d / "generation_config.json").write_text(json.dumps(dict(cfg, gen_length=16, block_length=8, steps=16)))
     for extra, n in (([], 16), (["--gen-length", "24"], 24)):
         code, out, err = _main(["--model", str(d), "--prompt", "copy: ann,bob", "--decoder", "llada", "--json",
-                                *extra], capsys)
+                                "--no-early-exit", *extra], capsys)
         assert code == 0, err
         assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) == n
 

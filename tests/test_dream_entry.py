@@ -174,11 +174,11 @@ def test_generate_cli_batched_every_decoder(name, tiny_dream, capsys, monkeypatc
     row's ids are the API's, the response is cut at EOS / <|im_end|>; the engine got Dream's Polestar config."""
     knobs, flags = DECODERS[name]
     seen = []
-    real = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda *a, **k: (seen.append(a[3]), real(*a, **k))[1])
+    real = engine.Engine.generate
+    monkeypatch.setattr(engine.Engine, "generate", lambda self, *a, **k: (seen.append(a[1]), real(self, *a, **k))[1])
     argv = ["--model", TINY_DREAM, *sum((["--prompt", p] for p in PROMPTS), []), *GEN, *flags, "--json"]
     assert gen_cli.main(argv) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = json.loads(capsys.readouterr().out)  # stdout: one JSON document
     ref = tiny_dream.generate(PROMPTS, gen_length=16, block_length=8, **knobs)
     assert seen[0] == ref.decode
     if name == "polestar":

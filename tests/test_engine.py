@@ -16,7 +16,7 @@ import pytest
 
 from polestar_jax.config import DecodeConfig
 from polestar_jax.crosscheck import first_divergence
-from polestar_jax.engine import compile_cache_size, generate
+from engines import engine_for, generate  # tests/engines.py
 from polestar_jax.errors import ConfigError, PolestarError
 
 TINY_A_DIR = Path(__file__).parent / "data" / "llada_tiny_a"
@@ -97,6 +97,7 @@ def test_compile_cache_reuses_executables_per_bucket(tiny_a):
     dcfg = DecodeConfig(decoder="fastdllm", cache="none", gen_length=32, block_length=8, threshold=0.8)
     p33, p40 = rng.integers(0, 254, 33).tolist(), rng.integers(0, 254, 40).tolist()  # both in the 48 bucket
 
+    compile_cache_size = lambda: engine_for(params, cfg).executable_count  # the shared engine's programs
     n0 = compile_cache_size()
     r1 = generate(params, cfg, [p33], dcfg)
     n1 = compile_cache_size()
@@ -209,10 +210,11 @@ def test_decode_config_rejects(kwargs, match):
 
 
 def test_decode_config_accepts_edges():
-    assert DecodeConfig(threshold=0.0).rule == "threshold"
+    assert DecodeConfig(decoder="fastdllm", threshold=0.0).rule == "threshold"
     assert DecodeConfig(threshold=1.0).rule == "threshold"
-    assert DecodeConfig(threshold=None).rule == "fixed"
-    assert DecodeConfig(threshold=None, factor=2.0).rule == "factor"
+    assert DecodeConfig(decoder="fastdllm", threshold=None).rule == "fixed"
+    assert DecodeConfig(decoder="fastdllm", threshold=None, factor=2.0).rule == "factor"
+    assert DecodeConfig() == DecodeConfig(decoder="polestar", cache="dual", early_exit=True)  # the CLI's defaults
     d = DecodeConfig(decoder="llada", cache="none", threshold=None, gen_length=64, block_length=16, steps=32)
     assert (d.num_blocks, d.steps_per_block) == (4, 8)
     assert DecodeConfig(gen_length=64, block_length=16).steps == 64

@@ -138,6 +138,6 @@ def test_polestar_block_step_exports(block_step_args, platform):
 
     params, state, block_idx, knobs, spec = block_step_args
     exp = compat.export(jax.jit(run_block, static_argnames=("spec",)), platforms=[platform],
-                        disabled_checks=_CHECKS)(params, state, block_idx, knobs, None, spec=spec)
+                        disabled_checks=_CHECKS)(params, state, knobs, None, spec=spec)  # (rows carry their block)
     assert exp.platforms == (platform,)
     assert "while" in exp.mlir_module()

@@ -28,6 +28,8 @@ def _interrupt_after(delay: float, env: dict) -> tuple[int, str, str, float]:
     finally:
         if p.poll() is None:
             p.kill()
+    # (the compile progress lines, "compiling ..." / "compiled ... in", may come before the interrupt)
+    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith(("compiling ", "compiled ")))
     return p.returncode, out, err, time.monotonic() - sent
 
 

@@ -18,7 +18,7 @@ from polestar_jax import polestar_step as PSS
 from polestar_jax import polestar_state as PSt
 from polestar_jax.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
-from polestar_jax.engine import generate
+from engines import generate  # tests/engines.py
 from polestar_jax.state import init_decode_state
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")
@@ -174,7 +174,7 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
         checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]  # the Pallas kernels
         exp = compat.export(jax.jit(run_block, static_argnames=("spec",)), platforms=[platform],
                             disabled_checks=checks)(
-            abstract_params, state, jax.ShapeDtypeStruct((), jnp.int32), knobs, None,
+            abstract_params, state, knobs, None,
             spec=EngineSpec.from_config(cfg, dc))
         texts[mode if platform == "cuda" else platform] = exp.mlir_module()
     t = texts["int8"]

@@ -178,7 +178,7 @@ def test_polestar_samples_with_temperature():
     """T > 0 under Polestar: outputs depend on T and on the seed, and a fixed (T, seed) reproduces."""
     from bench import tasks as T
     from polestar_jax.checkpoint import load_model
-    from polestar_jax.engine import generate
+    from engines import generate  # tests/engines.py
     from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
 
     cfg, params = load_model(bundled_model_dir())

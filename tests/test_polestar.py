@@ -12,7 +12,7 @@ import pytest
 from polestar_jax import crosscheck
 from polestar_jax.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
-from polestar_jax.engine import generate
+from engines import generate  # tests/engines.py
 from polestar_jax.errors import ConfigError
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")

@@ -1,5 +1,5 @@
-"""The compacted sparse refresh (:mod:`polestar_jax.refresh`, the row reads / writes of
-:mod:`polestar_jax.offload`, and the three refresh stages of :func:`polestar_jax.polestar.step_forward`):
+"""The compacted sparse refresh (:mod:`polestar_jax.compaction`, the row reads / writes of
+:mod:`polestar_jax.offload`, and the three refresh stages of :func:`polestar_jax.polestar_step.step_forward`):
 compaction against numpy, the row store against a plain reference for every storage mode (host and device),
 and a refresh step that gives the same result at every number of width buckets while reading only the
 rows it selects."""

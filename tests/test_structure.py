@@ -184,3 +184,78 @@ def test_rules_catch_what_they_forbid(tmp_path, monkeypatch):
     assert _private_uses("polestar_jax.a", src / "a.py") == []
     with pytest.raises(AssertionError, match="polestar_jax.a as A"):
         test_no_pytorch_style_module_aliases("polestar_jax")
+
+
+def import_graph(modules: Optional[dict] = None) -> dict[str, set[str]]:
+    """module -> the package modules it imports, anywhere in its body (inside functions too)."""
+    modules = MODULES if modules is None else modules
+    graph = {}
+    for here, path in modules.items():
+        deps = set()
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                mod = _resolve(node, here, path.stem == "__init__")
+                if mod in modules:
+                    deps.add(mod)
+                deps |= {f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in modules}
+        deps.discard(here)
+        graph[here] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles():
+    """No two package modules import each other, directly or through others (imports inside functions
+    count: a cycle hidden in a function is still a cycle)."""
+    graph = import_graph()
+    assert graph["polestar_jax.block"] >= {"polestar_jax.samplers", "polestar_jax.polestar"}  # the graph is real
+    assert import_cycles(graph) == []
+
+
+def test_cycle_finder_finds_cycles(tmp_path):
+    for name, body in (("a", "import x\nfrom pkg import b\n"), ("b", "def f():\n    from pkg.c import g\n"),
+                       ("c", "from pkg import a\n"), ("d", "from pkg import a\n")):
+        (tmp_path / f"{name}.py").write_text(body)
+    mods = {f"pkg.{n}": tmp_path / f"{n}.py" for n in "abcd"}
+    assert import_cycles(import_graph(mods)) == [["pkg.a", "pkg.b", "pkg.c"]]

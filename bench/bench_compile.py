@@ -1,0 +1,126 @@
+"""Where the compile seconds of the block programs go: tracing + lowering against XLA's compile, per decoder.
+
+For each decoder and batch size, the block program the engine compiles (``Engine.block_program``'s jit, at
+the prompt slot and lengths given) is traced and lowered (``jax.jit(...).lower``: JAX's time) and then
+compiled (``.compile()``: XLA's time), in one process, without the persistent compilation cache; then the
+same program is compiled again through a fresh engine with a persistent cache folder that holds it (the
+cache-hit cost: tracing and lowering again, plus loading the executable). Models: the bundled ``tiny_tasks``
+or a random LLaDA-shaped model (``--random-layers``, ``--random-d-model``; also the LLaDA-8B layer shapes
+with ``--llada8b-layers N``: d_model 4096, 32 heads, MLP 12288, vocab 126464, bf16).
+
+    python -m bench.bench_compile                                   # tiny_tasks, batch 1
+    python -m bench.bench_compile --random-layers 8 --random-d-model 512 --prompt 64 --gen 128 --block 32
+    python -m bench.bench_compile --llada8b-layers 2 --prompt 64 --gen 128 --block 32 --decoders fastdllm-dual,polestar
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+DECODERS = {"llada": dict(decoder="llada"), "fastdllm-none": dict(decoder="fastdllm", cache="none"),
+            "fastdllm-prefix": dict(decoder="fastdllm", cache="prefix"),
+            "fastdllm-dual": dict(decoder="fastdllm", cache="dual", step_after_full_pass=False),
+            "polestar": dict(decoder="polestar")}
+
+
+def _model(args):
+    from polestar_jax.config import ModelConfig
+    from polestar_jax.model import init_params
+
+    if args.llada8b_layers:
+        cfg = ModelConfig(d_model=4096, n_heads=32, n_kv_heads=32, n_layers=args.llada8b_layers, mlp_hidden_size=12288,
+                          vocab_size=126464, embedding_size=126464, mask_token_id=126336, eos_token_id=126081,
+                          pad_token_id=126081)
+        params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16))
+        return cfg, params, "llada8b-shaped, %d layers, bf16 (abstract weights)" % args.llada8b_layers
+    if args.random_layers:
+        d = args.random_d_model
+        cfg = ModelConfig(d_model=d, n_heads=d // 64, n_kv_heads=d // 64, n_layers=args.random_layers,
+                          mlp_hidden_size=4 * d, vocab_size=512, embedding_size=512, mask_token_id=500,
+                          eos_token_id=1, pad_token_id=1)
+        return cfg, init_params(cfg, jax.random.PRNGKey(0)), f"random, {args.random_layers} layers, d_model {d}"
+    from polestar_jax.checkpoint import load_model
+    from polestar_jax.tokenizer import bundled_model_dir
+
+    cfg, params = load_model(bundled_model_dir())
+    return cfg, params, "tiny_tasks"
+
+
+def time_program(cfg, params, dcfg, batch: int, prompt: int) -> dict:
+    """Lowering and XLA seconds of one block program (the engine's jit, abstract arguments)."""
+    from polestar_jax.block import decode_block
+    from polestar_jax.engine import Engine
+    from polestar_jax.state import init_decode_state
+
+    eng = Engine(params, cfg)
+    spec = eng.spec(dcfg)
+    state = init_decode_state(cfg, dcfg, [[1] * prompt] * batch, prompt, dtype=jax.tree.leaves(params)[0].dtype,
+                              abstract=True)
+    knobs = jax.eval_shape(lambda: eng.knobs(dcfg))
+    jitted = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",))
+    t0 = time.perf_counter()
+    lowered = jitted.lower(params, state, knobs, None, spec)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    hlo_ops = lowered.as_text().count("\n")
+    return {"lower_seconds": t1 - t0, "xla_seconds": t2 - t1, "total_seconds": t2 - t0, "stablehlo_lines": hlo_ops}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_compile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decoders", default="fastdllm-dual,polestar")
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--random-layers", type=int, default=0)
+    ap.add_argument("--random-d-model", type=int, default=512)
+    ap.add_argument("--llada8b-layers", type=int, default=0)
+    ap.add_argument("--no-cache-hit", action="store_true", help="skip the persistent-cache hit measurement")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    from polestar_jax.config import DecodeConfig
+
+    cfg, params, what = _model(args)
+    rows = []
+    for name in args.decoders.split(","):
+        for b in (int(x) for x in args.batch.split(",")):
+            dcfg = DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.gen,
+                                **{"threshold": None if name == "llada" else 0.9, **DECODERS[name]})
+            r = {"decoder": name, "batch": b, **time_program(cfg, params, dcfg, b, args.prompt)}
+            if not args.no_cache_hit and not args.llada8b_layers:
+                with tempfile.TemporaryDirectory() as d:
+                    jax.config.update("jax_compilation_cache_dir", d)
+                    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+                    time_program(cfg, params, dcfg, b, args.prompt)  # writes the entry
+                    hit = time_program(cfg, params, dcfg, b, args.prompt)  # reads it
+                    jax.config.update("jax_compilation_cache_dir", None)
+                r["cache_hit_seconds"] = hit["total_seconds"]
+                r["cache_hit_lower_seconds"] = hit["lower_seconds"]
+            rows.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+    base = {r["batch"]: r["total_seconds"] for r in rows if r["decoder"] == "fastdllm-dual"}
+    for r in rows:
+        if r["batch"] in base:
+            r["vs_dual"] = r["total_seconds"] / base[r["batch"]]
+    result = {"benchmark": "bench.bench_compile", "model": what, "prompt": args.prompt, "gen": args.gen,
+              "block": args.block, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "load": " ".join(f"{x:.2f}" for x in os.getloadavg()), "jax": jax.__version__, "rows": rows}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

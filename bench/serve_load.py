@@ -1,0 +1,201 @@
+"""Load test of the OpenAI-compatible server against fixed batches of the same prompts.
+
+For one model folder and one decoder: closed-loop clients (each sends its next request when its last one
+answered) at each concurrency level send held-out task prompts (``bench.tasks``) to a real server
+(``python -m polestar_jax.serve``, a subprocess, streaming requests), and the same prompts are then decoded
+in this process as today's fixed batches (``Engine.run`` on consecutive chunks, every block of every row:
+the lockstep loop) and one request at a time. Reported per mode: completion tokens/s (response tokens over
+wall seconds), requests/s, latency p50 / p95 / p99 and time to first block (server: to the first streamed
+block; fixed batches: a request's latency is its batch's end, all requests submitted at time 0), and the
+server's resident memory before and after. The server and the fixed batches never run at the same time.
+
+    python -m bench.serve_load --decoder polestar --concurrency 1,8,32 --n 144
+    python -m bench.serve_load --model polestar_jax/assets/tiny_long --tasks long --max-batch 32
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from bench import tasks as T
+from bench.common import REPO_ROOT, RESULTS_DIR
+from bench.run import TASK_GROUPS
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def percentiles(xs) -> dict:
+    a = np.asarray(xs, float)
+    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)} if a.size else {}
+
+
+def start_server(model: str, decoder: str, max_batch: int, max_queue: int, prompt_tokens: int) -> tuple:
+    cmd = [sys.executable, "-m", "polestar_jax.serve", "--port", "0", "--decoder", decoder, "--max-batch",
+           str(max_batch), "--max-queue", str(max_queue), "--max-prompt-tokens", str(prompt_tokens), "--quiet"]
+    if model:
+        cmd += ["--model", model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    line = proc.stdout.readline()
+    m = re.search(r"at (http://[\d.]+:\d+)", line)
+    if not m:
+        proc.kill()
+        raise SystemExit(f"server did not start: {line!r} {proc.stderr.read()[-2000:]}")
+    compiled = float(re.search(r"compiled in ([\d.]+)s", line).group(1))
+    return proc, m.group(1), compiled
+
+
+def run_clients(base: str, name: str, messages: list[str], concurrency: int) -> dict:
+    """Closed loop: ``concurrency`` clients share the request list; streaming chat requests."""
+    import httpx
+
+    todo = list(range(len(messages)))
+    lock = threading.Lock()
+    lat, ttfb, tokens = [], [], []
+
+    def client():
+        with httpx.Client(timeout=600) as http:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop(0)
+                t0 = time.perf_counter()
+                first = None
+                with http.stream("POST", base + "/v1/chat/completions",
+                                 json={"model": name, "stream": True, "stream_options": {"include_usage": True},
+                                       "messages": [{"role": "user", "content": messages[i]}]}) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        body = json.loads(line[6:])
+                        if first is None and body.get("choices") and body["choices"][0]["delta"].get("content"):
+                            first = time.perf_counter() - t0
+                        if body.get("usage"):
+                            with lock:
+                                tokens.append(body["usage"]["completion_tokens"])
+                with lock:
+                    lat.append(time.perf_counter() - t0)
+                    ttfb.append(first if first is not None else lat[-1])
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        for f in [ex.submit(client) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": len(lat), "completion_tokens": int(sum(tokens)),
+            "seconds": wall, "tokens_per_s": sum(tokens) / wall, "requests_per_s": len(lat) / wall,
+            "latency": percentiles(lat), "time_to_first_block": percentiles(ttfb)}
+
+
+def fixed_batches(model_dir: Optional[str], decoder: str, messages: list[str], batch: int) -> dict:
+    """Today's lockstep fixed batches in this process: consecutive chunks of ``batch`` prompts, every block
+    of every row; all requests submitted at time 0 (a request's latency: its batch's end)."""
+    from polestar_jax.api import load
+
+    m = load(model_dir)
+    dcfg = m.decode_config(decoder=decoder, early_exit=False)
+    ids = [m.prompt_ids(t) for t in messages]
+    slot = m.engine.prompt_slot([len(p) for p in ids])
+    chunks = [list(range(i, min(len(ids), i + batch))) for i in range(0, len(ids), batch)]
+    pad = lambda c: c + [c[0]] * (batch - len(c))
+    m.engine.run([ids[i] for i in pad(chunks[0])], dcfg, prompt_slot=slot)  # compile outside the clock
+    lat, tokens = [], 0
+    t0 = time.perf_counter()
+    for c in chunks:
+        res = m.engine.run([ids[i] for i in pad(c)], dcfg, rows=pad(c), prompt_slot=slot)
+        end = time.perf_counter() - t0
+        for r in range(len(c)):
+            tokens += len(m.engine.completion(res.row(r)).response_ids)
+            lat.append(end)
+    wall = time.perf_counter() - t0
+    return {"batch": batch, "requests": len(ids), "completion_tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall, "requests_per_s": len(ids) / wall, "latency": percentiles(lat),
+            "time_to_first_block": percentiles(lat)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="", help="model folder (default: the bundled tiny_tasks)")
+    ap.add_argument("--tasks", default="tiny_tasks", help="task group (tiny_tasks, long) or task names")
+    ap.add_argument("--decoder", default="polestar")
+    ap.add_argument("--n", type=int, default=144, help="requests per concurrency level")
+    ap.add_argument("--concurrency", default="1,8,32,72")
+    ap.add_argument("--max-batch", type=int, default=32, help="the server's rows")
+    ap.add_argument("--fixed-batches", default="1,32,72", help="fixed batch sizes to compare (1: one at a time)")
+    ap.add_argument("--memory-requests", type=int, default=0, help="extra requests for the memory check (0: none)")
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "serve_load.json"))
+    args = ap.parse_args(argv)
+    names = TASK_GROUPS.get(args.tasks, tuple(args.tasks.split(",")))
+    per = -(-args.n // len(names))
+    messages = [p for t in names for p, _ in T.eval_instances(t, per)][: args.n]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    result = {"benchmark": "bench.serve_load", "command": "python -m bench.serve_load " + " ".join(argv or sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "load_before": _loadavg(), "model": args.model or "tiny_tasks", "decoder": args.decoder,
+              "max_batch": args.max_batch, "server": [], "fixed": []}
+    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+
+    tok = load_tokenizer(args.model or bundled_model_dir())
+    slot = -(-max(len(tok.chat_prompt_ids(m)) for m in messages) // 16) * 16  # the fixed batches' slot
+    result["prompt_slot"] = slot
+    proc, base, compiled = start_server(args.model, args.decoder, args.max_batch, max(levels) * 2, slot)
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else "tiny_tasks"
+    try:
+        result["server_compile_seconds"] = compiled
+        run_clients(base, name, messages[: min(8, len(messages))], 4)  # warm-up
+        rss0 = _rss_kib(proc.pid)
+        for c in levels:
+            r = run_clients(base, name, messages, c)
+            result["server"].append(r)
+            print(f"[server c={c}] {r['tokens_per_s']:.1f} tok/s, {r['requests_per_s']:.2f} req/s, "
+                  f"p50/p99 {r['latency']['p50']:.2f}/{r['latency']['p99']:.2f}s, ttfb p50 "
+                  f"{r['time_to_first_block']['p50']:.2f}s", file=sys.stderr, flush=True)
+        if args.memory_requests:
+            mem = messages * (-(-args.memory_requests // len(messages)))
+            run_clients(base, name, mem[: args.memory_requests], 16)
+        result["server_rss_kib"] = {"after_warmup": rss0, "after": _rss_kib(proc.pid),
+                                    "requests": args.n * len(levels) + args.memory_requests}
+    finally:
+        proc.terminate()
+        result["server_exit"] = proc.wait(120)
+    for b in [int(x) for x in args.fixed_batches.split(",")]:
+        r = fixed_batches(args.model or None, args.decoder, messages, b)
+        result["fixed"].append(r)
+        print(f"[fixed b={b}] {r['tokens_per_s']:.1f} tok/s, p99 {r['latency']['p99']:.2f}s", file=sys.stderr,
+              flush=True)
+    result["load_after"] = _loadavg()
+    best = max(result["fixed"], key=lambda r: r["tokens_per_s"])
+    for r in result["server"]:
+        r["vs_best_fixed_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
+        r["p99_vs_best_fixed"] = r["latency"]["p99"] / best["latency"]["p99"]
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps({"server": [(r["concurrency"], round(r["tokens_per_s"], 1), round(r["vs_best_fixed_tokens_per_s"], 2),
+                                  round(r["latency"]["p99"], 2)) for r in result["server"]],
+                      "fixed": [(r["batch"], round(r["tokens_per_s"], 1), round(r["latency"]["p99"], 2))
+                                for r in result["fixed"]], "rss_kib": result["server_rss_kib"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Continuous batching at block granularity: the loop a server runs on one :class:`RunningBatch`.
+
+A :class:`Scheduler` owns one running batch of an :class:`~polestar_jax.engine.Engine` (one decode structure,
+``max_batch`` slots, one prompt slot) and a bounded queue of :class:`Job` s. Its thread repeats: put waiting
+jobs into free slots (at a block boundary), advance every live row by one block, report each job's newly
+finished block (streaming), and hand back the rows that are done (their last block, early exit, a stop
+string, or a client that went away). A job's tokens depend only on its prompt, its settings and its seed,
+never on what else is decoding (the engine's rows are independent), so the server is exact under load.
+
+Every result reaches a job through its ``on_event`` callback (called on the scheduler thread): a web server
+forwards it to the request's event loop. Nothing here knows about HTTP.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from polestar_jax.config import DecodeConfig
+from polestar_jax.engine import Completion, Engine, RowOutput, RunningBatch
+from polestar_jax.errors import PolestarError
+
+
+class QueueFull(PolestarError):
+    """The scheduler's queue holds ``max_queue`` jobs already."""
+
+
+class NotAccepting(PolestarError):
+    """The scheduler is draining (shutting down) or stopped."""
+
+
+@dataclasses.dataclass
+class Event:
+    """What a job hears from the scheduler: ``kind`` is "block" (``text``: new response text of a finished
+    block), "done" (``completion``, ``text``: the whole response) or "error" (``message``)."""
+
+    kind: str
+    text: str = ""
+    completion: Optional[Completion] = None
+    row: Optional[RowOutput] = None
+    message: str = ""
+
+
+@dataclasses.dataclass
+class Job:
+    """One request: prompt ids, its generation length (a multiple of the block length), the response cut
+    (``max_tokens`` ids, ``stop`` strings), its seed and per-row knobs, and the callback that receives its
+    :class:`Event` s."""
+
+    prompt: Sequence[int]
+    gen_length: int
+    on_event: Callable[[Event], None]
+    max_tokens: Optional[int] = None
+    stop: tuple = ()
+    seed: int = 0
+    temperature: Optional[float] = None
+    threshold: Optional[float] = None
+    stream: bool = False
+    id: int = dataclasses.field(default_factory=itertools.count().__next__)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    first_block: Optional[float] = None
+    cancelled: bool = False
+    sent: str = ""  # response text streamed so far
+    slot: Optional[int] = None
+
+    def cancel(self) -> None:
+        """The client went away: the row leaves at the next block boundary (thread-safe: a flag)."""
+        self.cancelled = True
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` cut before the earliest occurrence of any stop string; and whether one occurred."""
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class Scheduler:
+    """The continuous-batching loop over one running batch (see the module docstring).
+
+    engine, dcfg:   the engine and the decode structure every job runs with (its gen length is the most a
+                    job may ask for; per-job temperature and threshold are traced knobs)
+    max_batch:      slots decoding at once;  prompt_slot: the longest prompt (tokens) a job may have
+    max_queue:      jobs waiting for a slot at most (:class:`QueueFull` beyond)
+    sampling:       compile the sampling variant (any per-job temperature, 0 included, gives the tokens the
+                    greedy or sampling decoder gives alone)
+    metrics:        optional callbacks: ``metrics(name, value)`` for "forwards", "tokens", "active", "queue",
+                    "first_block" (seconds), "latency" (seconds), "outcome" (a string)
+    """
+
+    def __init__(self, engine: Engine, dcfg: DecodeConfig, max_batch: int, prompt_slot: int, max_queue: int = 256,
+                 sampling: bool = True, metrics: Optional[Callable[[str, Any], None]] = None):
+        if max_queue < 1:
+            raise PolestarError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine, self.dcfg = engine, dcfg
+        self.max_batch, self.prompt_slot, self.max_queue = int(max_batch), int(prompt_slot), int(max_queue)
+        self.sampling = sampling
+        self.metrics = metrics or (lambda name, value: None)
+        t0 = time.perf_counter()
+        self.batch = self._new_batch()
+        self.compile_seconds = time.perf_counter() - t0
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._jobs: dict[int, Job] = {}  # slot -> job
+        self._thread = threading.Thread(target=self._loop, name="polestar-scheduler", daemon=True)
+        self.blocks_run = 0
+
+    def _new_batch(self) -> RunningBatch:
+        return RunningBatch(self.engine, self.dcfg, self.max_batch, self.prompt_slot, sampling=self.sampling)
+
+    # ------------------------------------------------------------------------------------ control
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active_rows(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        """Queues ``job``; raises :class:`QueueFull` or :class:`NotAccepting`. The job is checked first
+        (prompt length, gen length): a :class:`PolestarError` names what is wrong."""
+        if len(job.prompt) == 0:
+            raise PolestarError("the prompt is empty")
+        if len(job.prompt) > self.prompt_slot:
+            raise PolestarError(f"the prompt has {len(job.prompt)} tokens; this server takes at most "
+                                f"{self.prompt_slot}")
+        self.engine._gen_lengths([job.gen_length], 1, self.dcfg)
+        self.engine.check([job.prompt], self.dcfg)
+        with self._cv:
+            if not self._accepting:
+                raise NotAccepting("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self._queue.append(job)
+            self.metrics("queue", len(self._queue))
+            self._cv.notify()
+
+    def drain(self, timeout: float) -> bool:
+        """Stops accepting jobs and waits until every queued and running job is done (at most ``timeout``
+        seconds); returns whether all finished."""
+        with self._cv:
+            self._accepting = False
+            self._cv.notify()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not self._queue and not self._jobs:
+                return True
+            time.sleep(0.02)
+        return not self._queue and not self._jobs
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ends the loop: jobs still queued or running get an error event; the thread is joined."""
+        with self._cv:
+            self._accepting = False
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for job in list(self._queue) + list(self._jobs.values()):
+            job.on_event(Event("error", message="the server stopped"))
+        self._queue.clear()
+        self._jobs.clear()
+
+    # ------------------------------------------------------------------------------------ the loop
+    def _admit(self) -> None:
+        """Queued jobs into free slots (cancelled ones are dropped)."""
+        while self._queue and self.batch.free_slots:
+            with self._cv:
+                job = self._queue.popleft() if self._queue else None
+            if job is None:
+                break
+            if job.cancelled:
+                self.metrics("outcome", "cancelled")
+                continue
+            job.slot = self.batch.insert(job.prompt, seed=job.seed, row=0, tag=job.id, gen_length=job.gen_length,
+                                         temperature=job.temperature, threshold=job.threshold)
+            self._jobs[job.slot] = job
+        self.metrics("queue", len(self._queue))
+        self.metrics("active", len(self._jobs))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._queue and not self._jobs:
+                    self._cv.wait(0.5)
+                if self._stop:
+                    return
+            try:
+                self._admit()
+                for slot, job in list(self._jobs.items()):
+                    if job.cancelled:
+                        self.batch.cancel(slot)
+                        del self._jobs[slot]
+                        self.metrics("outcome", "cancelled")
+                if not self._jobs:
+                    continue
+                nfe_before = self._nfe()
+                self.batch.step()
+                self.blocks_run += 1
+                self._report()
+                self.metrics("forwards", self._nfe() - nfe_before)
+            except Exception as e:  # noqa: BLE001 - a failed step fails its batch, not the server
+                self._fail_batch(f"{type(e).__name__}: {e}")
+
+    def _nfe(self) -> int:
+        import numpy as np
+
+        return int(np.asarray(self.batch.state.nfe).sum())
+
+    def _fail_batch(self, message: str) -> None:
+        for job in self._jobs.values():
+            job.on_event(Event("error", message=f"decoding failed: {message}"))
+            self.metrics("outcome", "error")
+        self._jobs.clear()
+        self.batch = self._new_batch()  # a fresh state (its programs are the engine's: no recompile)
+
+    def _report(self) -> None:
+        """After a block: stream newly finished blocks, finish the rows that are done (their last block, early
+        exit, or a stop string in their text)."""
+        blk, done = self.batch.progress()
+        now = time.perf_counter()
+        watch = [s for s, j in self._jobs.items() if (j.stream or j.stop) and not done[s] and blk[s] > 0]
+        if watch:
+            for s, t in zip(watch, self.batch.tokens(watch)):
+                job = self._jobs[s]
+                self._first_block(job, now)
+                text, hit = self._text(job, t[: int(blk[s]) * self.dcfg.block_length])
+                if hit:  # a stop string ended the response: the row leaves now
+                    self._finish(job, self.batch.take([s], blk)[0], now)
+                    continue
+                if job.stream:
+                    held = max((len(x) for x in job.stop), default=1) - 1  # a stop string may still complete
+                    safe = text[: max(len(job.sent), len(text) - held)]
+                    if len(safe) > len(job.sent):
+                        job.on_event(Event("block", text=safe[len(job.sent):]))
+                        job.sent = safe
+        for row in self.batch.finished(progress=(blk, done)):
+            job = next((j for j in self._jobs.values() if j.id == row.index), None)
+            if job is not None:
+                self._finish(job, row, now)
+        self.metrics("active", len(self._jobs))
+
+    def _finish(self, job: Job, row: RowOutput, now: float) -> None:
+        del self._jobs[job.slot]
+        self._first_block(job, now)
+        completion = self.engine.completion(row, job.max_tokens)
+        text, hit = self._text(job, row.tokens)
+        if hit:  # cut at a stop string: the response is that text
+            ids = self.engine.tokenizer.encode(text)
+            completion = dataclasses.replace(completion, finish_reason="stop", response_ids=ids)
+        if job.stream and len(text) > len(job.sent):
+            job.on_event(Event("block", text=text[len(job.sent):]))
+            job.sent = text
+        self.metrics("tokens", len(completion.response_ids))
+        self.metrics("non_eos", completion.non_eos_tokens)
+        self.metrics("latency", now - job.submitted)
+        self.metrics("outcome", "ok")
+        job.on_event(Event("done", text=text, completion=completion, row=row))
+
+    def _first_block(self, job: Job, now: float) -> None:
+        if job.first_block is None:
+            job.first_block = now
+            self.metrics("first_block", now - job.submitted)
+
+    def _text(self, job: Job, tokens) -> tuple[str, bool]:
+        """The response text of ``tokens`` (cut at the first stop token, ``max_tokens`` and the stop strings)."""
+        ids = []
+        for t in tokens:
+            if int(t) in self.engine.stop_ids or (job.max_tokens is not None and len(ids) >= job.max_tokens):
+                break
+            ids.append(int(t))
+        return cut_at_stop(self.engine.tokenizer.decode(ids), job.stop)

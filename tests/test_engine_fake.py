@@ -1,0 +1,119 @@
+"""The block program driven by a fake model family: no weights, one-hot logits that spell a fixed script.
+
+Token at RoPE position p (counted from the row's first real token) is ``2 + p % 5`` before position ``EOS_AT``
+and EOS from there on, with confidence ~0.9993 everywhere. So every forward's commits are known in advance,
+and the tests pin the loop bounds and NFE accounting of each sampler, per-row blocks, insertion into a
+running batch and early exit, in about a second.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from polestar_jax import family as F
+from polestar_jax.config import DecodeConfig, ModelConfig
+from polestar_jax.engine import Engine
+from polestar_jax.model import ForwardOut
+
+V, EOS, MASK, PAD, EOS_AT, B = 16, 1, 15, 0, 14, 4
+CFG = ModelConfig(d_model=V, n_heads=1, n_kv_heads=1, n_layers=1, mlp_hidden_size=4, vocab_size=V,
+                  embedding_size=V, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=PAD,
+                  max_sequence_length=64, family="fake")
+
+
+def _script(pos):
+    return jnp.where(pos >= EOS_AT, EOS, 2 + pos % 5)
+
+
+def _forward(params, ids, cfg, q_pos, key_pos, key_valid=None, cache=None, start=0, write=None, unroll=1, **_):
+    h = 10.0 * jax.nn.one_hot(_script(q_pos), V)
+    if cache is None:
+        b, length = key_pos.shape
+        z = jnp.zeros(F.LLADA.cache_shape(cfg, b, length), jnp.float32)
+        cache = (z, z)
+    return ForwardOut(h, cache, None)
+
+
+FAKE = dataclasses.replace(F.LLADA, name="fake", forward=_forward, embed=lambda p, ids: ids,
+                           lm_head=lambda params, h, cfg: h.astype(jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    F.FAMILIES["fake"] = FAKE
+    yield Engine({"w": jnp.zeros((1,), jnp.float32)}, CFG)
+    del F.FAMILIES["fake"]
+
+
+def expected(prompt_len: int, gen: int = 16) -> np.ndarray:
+    p = prompt_len + np.arange(gen)
+    return np.where(p >= EOS_AT, EOS, 2 + p % 5)
+
+
+PROMPTS = [[3, 4, 5], [3] * 11]  # EOS at generation index 11 (block 2) and 3 (block 0)
+FIRST_EOS_BLOCK = [2, 0]
+
+
+@pytest.mark.parametrize("sampler, per_block", [
+    (dict(decoder="llada", cache="none", threshold=None), 4),        # steps_per_block forwards, exactly
+    (dict(decoder="fastdllm", cache="none"), 1),                      # one forward fills the block
+    (dict(decoder="fastdllm", cache="dual"), 2),                      # full start + the forced step
+    (dict(decoder="fastdllm", cache="dual", step_after_full_pass=False), 1),
+    (dict(decoder="fastdllm", cache="prefix"), 2),
+])
+def test_loop_bounds_nfe_and_early_exit(engine, sampler, per_block):
+    for early in (False, True):
+        dc = DecodeConfig(gen_length=16, block_length=B, steps=16, early_exit=early, **sampler)
+        res = engine.run(PROMPTS, dc, prompt_slot=12)
+        for r, (p, first) in enumerate(zip(PROMPTS, FIRST_EOS_BLOCK)):
+            blocks = first + 1 if early else 4
+            row = res.row(r)
+            assert len(row.block_nfe) == blocks and int(res.blocks[r]) == blocks
+            np.testing.assert_array_equal(row.tokens, expected(len(p))[: blocks * B])
+            assert row.nfe == per_block * blocks and list(row.block_nfe) == [per_block] * blocks
+            assert (res.tokens[r, blocks * B:] == MASK).all()  # blocks never decoded stay masked
+            c = engine.completion(row)
+            assert c.finish_reason == "stop" and c.response_ids == list(expected(len(p))[: EOS_AT - len(p)])
+
+
+def test_per_row_blocks_insertion_and_leaving(engine):
+    """Rows of one running batch sit at different blocks; a row inserted mid-stream gets what it gets alone;
+    a done row leaves and its slot is reused, without a new compile."""
+    dc = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=16, block_length=B)
+    batch = engine.batch(dc, 2, 12)
+    n_programs = engine.executable_count
+    a = batch.insert([3, 4, 5], tag="a")                # EOS in block 2
+    batch.step()
+    b = batch.insert([3] * 11, tag="b", gen_length=8)   # joins at a's block 1; EOS in its block 0
+    assert (a, b) == (0, 1) and batch.progress()[0].tolist() == [1, 0]
+    batch.step()
+    blk, done = batch.progress()
+    assert blk.tolist() == [2, 1] and done.tolist() == [False, True]  # b stopped early
+    out = batch.finished()
+    assert [r.index for r in out] == ["b"] and batch.free_slots == [1]
+    np.testing.assert_array_equal(out[0].tokens, expected(11)[:B])
+    c = batch.insert([3, 4, 5, 6, 7, 8, 9], tag="c", gen_length=16)  # takes b's slot at a's block 2
+    assert c == 1
+    for _ in range(4):
+        batch.step()
+    rows = {r.index: r for r in batch.finished()}
+    assert set(rows) == {"a", "c"} and batch.occupied == 0
+    np.testing.assert_array_equal(rows["a"].tokens, expected(3)[:12])
+    np.testing.assert_array_equal(rows["c"].tokens, expected(7)[:8])  # EOS at generation index 7: block 1
+    assert rows["a"].nfe == 2 * 3 and rows["c"].nfe == 2 * 2
+    assert engine.executable_count == n_programs  # nothing recompiled
+
+
+def test_continuous_job_keeps_the_batch_full(engine):
+    dc = DecodeConfig(decoder="fastdllm", cache="none", gen_length=16, block_length=B)
+    prompts = [[3] * n for n in (3, 11, 5, 9, 2, 12, 4)]
+    job = engine.generate(prompts, dc, batch_size=3, prompt_slot=12)
+    for p, r in zip(prompts, job.rows):
+        blocks = (EOS_AT - len(p)) // B + 1
+        np.testing.assert_array_equal(r.tokens, expected(len(p))[: blocks * B])
+    # 7 rows on 3 slots: fewer block calls than 7 rows decoded one batch of 3 after another to the end
+    assert job.block_calls < 3 * 4

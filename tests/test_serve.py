@@ -1,0 +1,220 @@
+"""The OpenAI-compatible server, started for real on 127.0.0.1 with the bundled model, and spoken to with the
+real ``openai`` client (streaming and not, completions and chat) and ``httpx`` (errors, metrics, health);
+the last test stops it with SIGTERM while a request is in flight.
+
+The server decodes with the checked dual cache (``--decoder fastdllm``: a short compile); every decoder's
+exactness under load is tested without HTTP in ``tests/test_scheduler.py``.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from polestar_jax.api import load  # noqa: E402
+
+ARGS = ["--decoder", "fastdllm", "--max-batch", "4", "--max-queue", "32", "--max-prompt-tokens", "64"]
+NAME = "tiny_tasks"
+
+
+@pytest.fixture(scope="module")
+def server(subprocess_env):
+    """(base url, process) of a server on a free port; stopped (SIGKILL if need be) at the end."""
+    proc = subprocess.Popen([sys.executable, "-m", "polestar_jax.serve", "--port", "0", *ARGS],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env)
+    try:
+        line = proc.stdout.readline()  # the ready line (after loading and compiling)
+        m = re.search(r"at (http://127\.0\.0\.1:\d+)", line)
+        assert m, f"no ready line: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        yield m.group(1), proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load()
+
+
+def _alone(model, ids, gen_length, seed=0):
+    """The prompt ids decoded alone with the server's decoder (batch 1, a region of its own gen length)."""
+    dc = model.decode_config(decoder="fastdllm", gen_length=gen_length)
+    c = model.engine.completion(model.engine.run([ids], dc, seed=seed).row(0))
+    return model.tokenizer.decode(c.response_ids)
+
+
+def test_models_and_health(server):
+    base, _ = server
+    r = httpx.get(base + "/v1/models")
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME]
+    h = httpx.get(base + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ready"
+
+
+def test_chat_stream_and_completions_equal_the_prompt_alone(client, model):
+    text = "reverse: jan,kat,leo,pat"
+    ids = model.prompt_ids(text)
+    want = _alone(model, ids, 32)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}])
+    assert r.choices[0].message.content == want == "pat,leo,kat,jan"
+    assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(model.tokenizer.encode(want))
+    extra = r.model_extra["polestar"]
+    assert extra["nfe"] >= extra["blocks"] >= 1 and extra["tpf"] > 0
+    # streaming: one event per finished block (the answer spans 2 blocks of 8), then [DONE]
+    chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}],
+                                                 stream=True))
+    parts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(parts) == want and len(parts) == 2
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # completions: the prompt as given (token ids here: the chat template's, so the same answer)
+    c = client.completions.create(model=NAME, prompt=ids, max_tokens=16)
+    assert c.choices[0].text == _alone(model, ids, 16) and c.object == "text_completion"
+    s = list(client.completions.create(model=NAME, prompt=ids, max_tokens=16, stream=True))
+    assert "".join(x.choices[0].text for x in s if x.choices) == c.choices[0].text
+
+
+def test_max_tokens_seed_and_stop(client, model):
+    ids = model.prompt_ids("copy: jan,kat,leo,pat,rex")
+    # max_tokens 5: decoded as gen length 8 (one block; the answer of a region of 8), cut at 5 ids
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=5)
+    dc = model.decode_config(decoder="fastdllm", gen_length=8)
+    want = model.engine.completion(model.engine.run([ids], dc).row(0), max_tokens=5)
+    assert r.choices[0].text == model.tokenizer.decode(want.response_ids)
+    assert r.usage.completion_tokens == len(want.response_ids) <= 5
+    r = client.completions.create(model=NAME, prompt=ids, stop=[",leo"])
+    assert r.choices[0].text == "jan,kat" and r.choices[0].finish_reason == "stop"
+    hot = [client.completions.create(model=NAME, prompt=ids, temperature=1.5, seed=s, max_tokens=8).choices[0].text
+           for s in (1, 1, 2)]
+    assert hot[0] == hot[1]  # a seed fixes the sampling noise
+
+
+def test_concurrent_requests_of_mixed_lengths_are_exact(client, model):
+    """20 concurrent requests (max_tokens 8..32, seeds 0..4) on 4 rows: each gets its tokens alone."""
+    texts = ["reverse: jan,kat,leo,pat", "copy: rex,val,jan", "sort: pat,jan,kat", "remove 2: jan,kat,leo,pat,rex"]
+    reqs = [(texts[i % 4], 8 * (1 + i % 4), i % 5) for i in range(20)]
+
+    def ask(r):
+        text, n, seed = r
+        return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}],
+                                              max_tokens=n, seed=seed).choices[0].message.content
+
+    with cf.ThreadPoolExecutor(20) as ex:
+        got = list(ex.map(ask, reqs))
+    eng = model.engine  # alone: one row, its own generation length (a region of 32 with the rest hidden)
+    dc = model.decode_config(decoder="fastdllm", gen_length=32)
+    for (text, n, seed), g in zip(reqs, got):
+        row = eng.run([model.prompt_ids(text)], dc, seed=seed, gen_lengths=[n]).row(0)
+        ids = eng.completion(row, max_tokens=n).response_ids
+        assert g == model.tokenizer.decode(ids), (text, n, seed)
+
+
+BAD = {
+    "malformed JSON": (b'{"model": "tiny_tasks", "prompt": ', 400, None),
+    "wrong type": (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": "ten"}), 400, "max_tokens"),
+    "unknown model": (json.dumps({"model": "gpt-4", "prompt": "hi"}), 404, "model"),
+    "empty prompt": (json.dumps({"model": NAME, "prompt": "   "}), 400, "prompt"),
+    "over-long prompt": (json.dumps({"model": NAME, "prompt": list(range(5, 70))}), 400, "prompt"),
+    "max_tokens 0": (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
+    "max_tokens too large": (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 33}), 400, "max_tokens"),
+    "n 2": (json.dumps({"model": NAME, "prompt": "hi", "n": 2}), 400, "n"),
+    "top_p": (json.dumps({"model": NAME, "prompt": "hi", "top_p": 0.5}), 400, "top_p"),
+    "early_threshold": (json.dumps({"model": NAME, "prompt": "hi", "early_threshold": 0.5}), 400, "early_threshold"),
+    "negative temperature": (json.dumps({"model": NAME, "prompt": "hi", "temperature": -1}), 400, "temperature"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_requests_get_openai_errors(server, name):
+    body, status, param = BAD[name]
+    r = httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and "\n" not in err["message"] and err["type"] and err["param"] == param
+
+
+def test_chat_errors(server):
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"model": NAME, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user"}]})
+    assert r.status_code == 400
+
+
+def test_disconnect_frees_the_row_and_metrics(server, client):
+    base, _ = server
+    ids = list(range(5, 60))  # a prompt the model never saw: it runs to its last block
+    with httpx.stream("POST", base + "/v1/completions", json={"model": NAME, "prompt": ids, "stream": True},
+                      timeout=60) as r:
+        next(r.iter_lines())  # the first block arrived; then the client goes away
+    deadline = time.time() + 30
+    m = ""
+    while time.time() < deadline:
+        m = httpx.get(base + "/metrics").text
+        if re.search(r'polestar_requests_total\{outcome="cancelled"\} [1-9]', m) or \
+                re.search(r"^polestar_active_rows 0\.0$", m, re.M):
+            break
+        time.sleep(0.1)
+    assert re.search(r"^polestar_active_rows 0\.0$", m, re.M), m
+    for name in ("polestar_requests_total", "polestar_queue_length", "polestar_completion_tokens_total",
+                 "polestar_forwards_total", "polestar_tokens_per_forward",
+                 "polestar_time_to_first_block_seconds_bucket", "polestar_request_latency_seconds_bucket"):
+        assert name in m, name
+    assert re.search(r'polestar_requests_total\{outcome="ok"\} [1-9]', m)
+    assert re.search(r'polestar_requests_total\{outcome="bad_request"\} [1-9]', m)
+
+
+def test_full_queue_is_429_with_retry_after(model):
+    """The HTTP mapping of a full queue, on the app with a scheduler whose queue is full (the queue itself is
+    tested in tests/test_scheduler.py)."""
+    from fastapi.testclient import TestClient
+
+    from polestar_jax.scheduler import QueueFull
+    from polestar_jax.serve_api import ServerLimits, create_app
+
+    class Full:
+        dcfg = model.decode_config(decoder="fastdllm")
+        max_batch, queue_length, active_rows, running, metrics = 4, 8, 4, True, None
+
+        def submit(self, job):
+            raise QueueFull("the queue is full (8 requests waiting)")
+
+    app = create_app(model, Full(), ServerLimits(64, 32, 8), NAME)
+    with TestClient(app) as tc:
+        r = tc.post("/v1/completions", json={"model": NAME, "prompt": "copy: jan"})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(server, model):
+    base, proc = server
+    ids = list(range(5, 60))
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(lambda: httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": ids},
+                                           timeout=60))
+        deadline = time.time() + 30
+        while time.time() < deadline and "polestar_active_rows 1.0" not in httpx.get(base + "/metrics").text:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        r = fut.result()
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert proc.wait(60) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "copy: jan"}, timeout=5)
+    assert np.isfinite(r.json()["polestar"]["tpf"])
