@@ -41,7 +41,7 @@ def measure(bm, d, items, batch: int, slot: int) -> dict:
     pad = lambda c: c + [c[0]] * (batch - len(c))
     chunks = [list(range(i, min(len(prompts), i + batch))) for i in range(0, len(prompts), batch)]
     eng.run([prompts[i] for i in pad(chunks[0])], dc_fixed, prompt_slot=slot)  # compile both programs first
-    eng.generate(prompts[:batch], dc_cont, batch_size=batch, prompt_slot=slot)
+    eng.generate(prompts[: batch + 1], dc_cont, batch_size=batch, prompt_slot=slot)  # (more than a batch: per-row)
     out = {}
     t0 = time.perf_counter()
     rows, calls = [], 0
