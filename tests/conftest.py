@@ -132,7 +132,7 @@ def offline_session_cache(monkeypatch):
 #: The test files that take longest (mesh and multi-process subprocesses, the golden Polestar replays), in
 #: this order before all others, so that on pytest-xdist workers (``--dist loadfile``, files handed out in
 #: collection order: ``--no-loadscope-reorder`` in pyproject.toml) they start first and short files fill the end.
-LONG_FILES = ("test_dream_scale.py", "test_scale.py", "test_multihost.py", "test_polestar.py")
+LONG_FILES = ("test_dream_scale.py", "test_scale.py", "test_multihost.py", "test_polestar.py", "test_scheduler.py")
 
 
 def pytest_collection_modifyitems(config, items):
