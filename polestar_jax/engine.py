@@ -466,18 +466,24 @@ class Engine:
                          wall_seconds=time.perf_counter() - t_start)
 
     # ----------------------------------------------------------------------------------- accounting
-    def completion(self, row: RowOutput, max_tokens: Optional[int] = None) -> Completion:
-        """The response of ``row`` (cut at its first stop token, and at ``max_tokens`` ids when given),
-        its non-EOS count over the decoded blocks, NFE, TPF and Polestar statistics."""
-        gen = [int(t) for t in row.tokens]
+    def response_ids(self, tokens, max_tokens: Optional[int] = None) -> tuple[list, str]:
+        """The response in generated ids ``tokens`` [n]: up to the first stop token, at most ``max_tokens``
+        ids; and its finish reason ("stop": a stop token ended it, else "length")."""
         resp, reason = [], "length"
-        for t in gen:
-            if t in self.stop_ids:
+        for t in tokens:
+            if int(t) in self.stop_ids:
                 reason = "stop"
                 break
-            resp.append(t)
+            resp.append(int(t))
         if max_tokens is not None and len(resp) > max_tokens:
             resp, reason = resp[:max_tokens], "length"
+        return resp, reason
+
+    def completion(self, row: RowOutput, max_tokens: Optional[int] = None) -> Completion:
+        """The response of ``row`` (:meth:`response_ids`), its non-EOS count over the decoded blocks, NFE, TPF
+        and Polestar statistics."""
+        gen = [int(t) for t in row.tokens]
+        resp, reason = self.response_ids(gen, max_tokens)
         non_eos = sum(1 for t in gen if t not in self.eos_ids)
         return Completion(response_ids=resp, non_eos_tokens=non_eos, nfe=row.nfe,
                           tpf=non_eos / row.nfe if row.nfe else 0.0, stats=polestar_stats(row.polestar),
@@ -657,16 +663,3 @@ class RunningBatch:
             return
         self.state = self.state.replace(n_blocks=self.state.n_blocks.at[slot].set(0))
         self.slots[slot] = None
-
-
-def generate(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,
-             rows: Optional[Sequence[int]] = None, pad_multiple: int = PAD_MULTIPLE,
-             prompt_slot: Optional[int] = None, replay=None, mesh=None, engine: Optional[Engine] = None,
-             ) -> GenerateResult:
-    """One fixed batch on ``engine`` (default: a new :class:`Engine` for ``params``, which compiles its
-    program; keep an engine to reuse them). See :meth:`Engine.run`."""
-    eng = engine if engine is not None else Engine(params, mcfg, mesh=mesh)
-    if prompt_slot is None and len(prompts) and all(len(p) for p in prompts):
-        prompt_slot = eng.prompt_slot([len(p) for p in prompts], pad_multiple)
-    return eng.run(prompts, dcfg, seed=seed, rows=rows, prompt_slot=prompt_slot, replay=replay,
-                   params=None if engine is None else params)

@@ -86,7 +86,8 @@ class Scheduler:
     max_queue:      jobs waiting for a slot at most (:class:`QueueFull` beyond)
     sampling:       compile the sampling variant (any per-job temperature, 0 included, gives the tokens the
                     greedy or sampling decoder gives alone)
-    metrics:        optional callbacks: ``metrics(name, value)`` for "forwards", "tokens", "active", "queue",
+    metrics:        optional callbacks: ``metrics(name, value)`` for "forwards" (of each finished job), "tokens",
+                    "non_eos", "active", "queue",
                     "first_block" (seconds), "latency" (seconds), "outcome" (a string)
     """
 
@@ -207,18 +208,11 @@ class Scheduler:
                         self.metrics("outcome", "cancelled")
                 if not self._jobs:
                     continue
-                nfe_before = self._nfe()
                 self.batch.step()
                 self.blocks_run += 1
                 self._report()
-                self.metrics("forwards", self._nfe() - nfe_before)
             except Exception as e:  # noqa: BLE001 - a failed step fails its batch, not the server
                 self._fail_batch(f"{type(e).__name__}: {e}")
-
-    def _nfe(self) -> int:
-        import numpy as np
-
-        return int(np.asarray(self.batch.state.nfe).sum())
 
     def _fail_batch(self, message: str) -> None:
         for job in self._jobs.values():
@@ -266,6 +260,7 @@ class Scheduler:
             job.sent = text
         self.metrics("tokens", len(completion.response_ids))
         self.metrics("non_eos", completion.non_eos_tokens)
+        self.metrics("forwards", completion.nfe)
         self.metrics("latency", now - job.submitted)
         self.metrics("outcome", "ok")
         job.on_event(Event("done", text=text, completion=completion, row=row))
@@ -277,9 +272,5 @@ class Scheduler:
 
     def _text(self, job: Job, tokens) -> tuple[str, bool]:
         """The response text of ``tokens`` (cut at the first stop token, ``max_tokens`` and the stop strings)."""
-        ids = []
-        for t in tokens:
-            if int(t) in self.engine.stop_ids or (job.max_tokens is not None and len(ids) >= job.max_tokens):
-                break
-            ids.append(int(t))
+        ids, _ = self.engine.response_ids(tokens, job.max_tokens)
         return cut_at_stop(self.engine.tokenizer.decode(ids), job.stop)

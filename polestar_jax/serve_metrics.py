@@ -27,7 +27,7 @@ class Metrics:
         self.active = Gauge("polestar_active_rows", "Rows decoding", registry=r)
         self.tokens = Counter("polestar_completion_tokens", "Completion tokens returned", registry=r)
         self.non_eos = Counter("polestar_non_eos_tokens", "Generated non-EOS tokens (TPF's numerator)", registry=r)
-        self.forwards = Counter("polestar_forwards", "Forwards (NFE) over every row", registry=r)
+        self.forwards = Counter("polestar_forwards", "Forwards (NFE) of the finished requests", registry=r)
         self.tpf = Gauge("polestar_tokens_per_forward", "Non-EOS tokens / forwards since start", registry=r)
         self.first_block = Histogram("polestar_time_to_first_block_seconds", "Submission to the first finished "
                                      "block", buckets=BUCKETS, registry=r)
