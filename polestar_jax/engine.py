@@ -622,8 +622,8 @@ class RunningBatch:
 
     def tokens(self, slots: Sequence[int]) -> np.ndarray:
         """[len(slots), G] the generation region of these slots (a host sync); undecoded blocks hold masks."""
-        sel = jnp.asarray(list(slots), jnp.int32)
-        return np.asarray(to_host(self.state.x[sel, self.slot:]))
+        # (the whole region, indexed here: an index array on the device would compile a gather per count)
+        return np.asarray(to_host(self.state.x))[list(slots), self.slot:]
 
     def finished(self, progress: Optional[tuple] = None) -> list[RowOutput]:
         """The rows that are done (their last block, or early exit), read from the device; their slots are free
@@ -641,18 +641,19 @@ class RunningBatch:
             return out
         blk = self.progress()[0] if blocks is None else blocks
         s = self.state
-        sel = jnp.asarray(idx, jnp.int32)
-        pol = None if s.polestar is None else {k: getattr(s.polestar, k)[sel] for k in STAT_FIELDS}
-        x, cstep, nfe, bnfe, pol = to_host((s.x[sel, self.slot:], s.commit_step[sel, self.slot:],
-                                                   s.nfe[sel], s.block_nfe[sel], pol))
+        # whole (small) arrays to the host, rows picked there: an index array on the device would compile a
+        # gather for every new number of finished rows
+        pol = None if s.polestar is None else {k: getattr(s.polestar, k) for k in STAT_FIELDS}
+        x, cstep, nfe, bnfe, pol = to_host((s.x, s.commit_step, s.nfe, s.block_nfe, pol))
+        x, cstep = np.asarray(x)[:, self.slot:], np.asarray(cstep)[:, self.slot:]
         now = time.perf_counter()
         B = self.dcfg.block_length
-        for j, i in enumerate(idx):
+        for i in idx:  # (copies: a row keeps nothing of the batch's arrays alive)
             o = self.slots[i]
             n = int(blk[i])
-            out.append(RowOutput(index=o.tag, tokens=np.asarray(x[j, : n * B]), commit_step=np.asarray(cstep[j, : n * B]),
-                                 nfe=int(nfe[j]), block_nfe=np.asarray(bnfe[j, :n]),
-                                 polestar=None if pol is None else {k: np.asarray(v[j]) for k, v in pol.items()},
+            out.append(RowOutput(index=o.tag, tokens=x[i, : n * B].copy(), commit_step=cstep[i, : n * B].copy(),
+                                 nfe=int(nfe[i]), block_nfe=np.array(bnfe[i, :n]),
+                                 polestar=None if pol is None else {k: np.array(v[i]) for k, v in pol.items()},
                                  seconds=now - o.inserted))
             self.cancel(i)
         return out

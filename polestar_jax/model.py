@@ -212,6 +212,27 @@ def lm_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.einsum("btd,dv->btv", hn, params["lm_head"], preferred_element_type=jnp.float32)
 
 
+def layer_scan(body: Callable, carry: Any, xs: Any, buffers: Any, unroll: int | bool = 1):
+    """``lax.scan`` over the layers (the leading axis of ``xs`` and of every ``buffers`` leaf, [N, ...]),
+    where ``buffers`` (the K/V cache) ride in the carry and each layer's slice is replaced in place:
+    ``body(carry, x, layer_buffers) -> (carry, y, new_layer_buffers)``. Returns ``(carry, ys, buffers)``.
+
+    Passed as scan inputs and outputs instead, a vmap over rows (a running batch's per-row program,
+    :func:`polestar_jax.block.decode_block`) would move the cache's batch axis to 1 for the scan and back
+    to 0 for the enclosing loops and branches: two transposes of the whole cache per forward. In the carry
+    its batch axis stays where the loops keep it, and the cache is updated in place."""
+
+    def step(c, x):
+        inner, bufs, i = c
+        layer_bufs = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), bufs)
+        inner, y, new = body(inner, x, layer_bufs)
+        bufs = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0), bufs, new)
+        return (inner, bufs, i + 1), y
+
+    (carry, buffers, _), ys = lax.scan(step, (carry, buffers, jnp.int32(0)), xs, unroll=unroll)
+    return carry, ys, buffers
+
+
 class ForwardOut(NamedTuple):
     """Output of :func:`forward`."""
 
@@ -234,6 +255,7 @@ def forward(
     unroll: int | bool = 1,
     *,
     layer_fn: Optional[Callable[..., LayerOut]] = None,
+    into: Optional[tuple[jax.Array, jax.Array]] = None,
 ) -> ForwardOut:
     """All layers (under ``lax.scan``, ``unroll`` as there; ``layer_fn``: the family's :func:`layer`) for the query tokens ``ids`` [b, T] at RoPE
     positions ``q_pos`` [b, T].
@@ -241,17 +263,23 @@ def forward(
     ``key_pos`` [b, L]: RoPE positions of all keys; ``key_valid`` [b, L]: False for padding.
     ``cache``: stacked (K, V) [N, b, KV, L, hd] or None (then T == L and the keys are the queries' own).
     ``start``/``write``: where the rows' K/V go in the cache (see :func:`slice_write`).
+    ``into``: without a ``cache``, buffers (K, V) [N, b, KV, L, hd] that take every layer's K/V (the
+    state's cache: a full pass overwrites it in place); the returned ``kv`` is them.
     """
     q_rope, k_rope = Rope.at(q_pos, cfg), Rope.at(key_pos, cfg)
     h0 = embed(params, ids)
 
-    def body(h, xs):
-        lp, layer_cache = xs
-        w = None if layer_cache is None else slice_write(layer_cache, start, write)
+    def body(h, lp, layer_cache):
+        w = None if cache is None else slice_write(layer_cache, start, write)
         out = (layer_fn or layer)(lp, h, cfg, q_rope, k_rope, key_valid, write=w)
-        return out.h, ((out.keys.k, out.keys.v), h if collect_hidden else None)
+        return out.h, (h if collect_hidden else None), (out.keys.k, out.keys.v)
 
-    h, (kv, hidden) = lax.scan(body, h0, (params["blocks"], cache), unroll=unroll)
+    buffers = cache if cache is not None else into
+    if buffers is None:  # a plain forward: the K/V are the scan's outputs
+        h, (kv, hidden) = lax.scan(lambda c, lp: (lambda o: (o[0], (o[2], o[1])))(body(c, lp, None)), h0,
+                                   params["blocks"], unroll=unroll)
+        return ForwardOut(h, kv, hidden)
+    h, hidden, kv = layer_scan(body, h0, params["blocks"], buffers, unroll=unroll)
     return ForwardOut(h, kv, hidden)
 
 

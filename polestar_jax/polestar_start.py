@@ -16,7 +16,7 @@ from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.drift import proxy_attention
 from polestar_jax.family import family_of
 from polestar_jax.kernels.refresh import scatter_kv_rows
-from polestar_jax.model import Rope
+from polestar_jax.model import Rope, layer_scan
 from polestar_jax.polestar_state import Geometry, rows_at
 from polestar_jax.state import DecodeState
 
@@ -79,8 +79,10 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
     fam = family_of(cfg)
     q_rope, k_rope = Rope.at(rows.q_pos, cfg), Rope.at(state.pos, cfg)
 
-    def layer(carry, xs: StartLayerIn):
+    def layer(carry, xs: StartLayerIn, kv):
         h, _ = carry
+        if windowed:  # (the K/V cache rides in the scan's carry: model.layer_scan)
+            xs = xs._replace(k_cache=kv[0], v_cache=kv[1])
         hs = rows_at(h, rows.store_rows)  # [b, R, D]
         cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
                                                                     pc.kmeans_iters))(
@@ -93,11 +95,13 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
         p_blk = lax.dynamic_slice_in_dim(out.probs, rows.block_offset, block, axis=2)  # kept from the last layer
         s = proxy_attention(xs.lp, cl.centroids, out.keys.k, cfg, state.key_valid, pc.proxy_score)
         stored, scale = offload.encode(hs, pc)
-        return (out.h, p_blk), (out.keys.k, out.keys.v, offload.to_host(stored, pc), offload.to_host(scale, pc), cl, s)
+        return (out.h, p_blk), (offload.to_host(stored, pc), offload.to_host(scale, pc), cl, s), \
+            (out.keys.k, out.keys.v)
 
-    k0, v0 = (state.k_cache, state.v_cache) if windowed else (None, None)
     p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
-    xs = StartLayerIn(params["blocks"], k0, v0, *draws)
-    (h, p_blk), (kk, vv, hs, hs_sc, cl, s) = lax.scan(layer, (fam.embed(params, rows.ids), p0), xs, unroll=unroll)
+    xs = StartLayerIn(params["blocks"], None, None, *draws)
+    # (a full pass overwrites every layer's K/V in place, a windowed one its window's rows)
+    (h, p_blk), (hs, hs_sc, cl, s), (kk, vv) = layer_scan(layer, (fam.embed(params, rows.ids), p0), xs,
+                                                          (state.k_cache, state.v_cache), unroll=unroll)
     logits = fam.head_at(params, h, cfg, rows.block_offset, block)
     return StartOut(kk, vv, hs, hs_sc, cl, s, p_blk, logits)

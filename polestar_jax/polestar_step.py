@@ -30,7 +30,7 @@ from polestar_jax.drift import proxy_inputs
 from polestar_jax.family import Family, family_of
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
-from polestar_jax.model import Keys, Rope, slice_write
+from polestar_jax.model import Keys, Rope, layer_scan, slice_write
 from polestar_jax.offload import fetch_rows, write_rows
 from polestar_jax.polestar_state import Geometry, rows_at
 from polestar_jax.state import DecodeState
@@ -326,8 +326,15 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
     store = (pol.hs, pol.hs_scale) if refresh else ()
     xs = LayerIn(params["blocks"], state.k_cache, state.v_cache, store, pol.labels, pol.centroids, pol.counts,
                  pol.n_clusters, pol.s_prev, forced[0], forced[1], jnp.arange(n_layers))
-    body = (lambda c, x: refresh_layer(ctx, c, x, dt)) if refresh else (lambda c, x: plain_layer(ctx, c, x))
-    carry, (outs, stats) = lax.scan(body, carry0, xs, unroll=unroll)
+    layer_fn = (lambda c, x: refresh_layer(ctx, c, x, dt)) if refresh else (lambda c, x: plain_layer(ctx, c, x))
+
+    def body(c, x, kv):  # the K/V cache rides in the scan's carry (model.layer_scan)
+        c, (outs, stats) = layer_fn(c, x._replace(k_cache=kv[0], v_cache=kv[1]))
+        return c, (outs._replace(k=None, v=None), stats), (outs.k, outs.v)
+
+    carry, (outs, stats), (k_new, v_new) = layer_scan(body, carry0, xs._replace(k_cache=None, v_cache=None),
+                                                      (state.k_cache, state.v_cache), unroll=unroll)
+    outs = outs._replace(k=k_new, v=v_new)
     hs, hs_scale = outs.store if refresh else (pol.hs, pol.hs_scale)
     drift, p_blk = kl_drift(carry.q_blk, carry.k_rot, state.key_valid, pol.p_prev, mode="token", backend=pc.kernels)
     logits = fam.head_at(params, carry.h_blk, cfg, 0, block)

@@ -30,7 +30,8 @@ def full_forward(params, state: DecodeState, spec: EngineSpec, cs, keep_cache: b
     with its K/V cache replaced by this pass's K/V."""
     cfg = spec.model
     fam = family_of(cfg)
-    out = fam.forward(params, state.x, cfg, state.pos, state.pos, state.key_valid, unroll=spec.unroll)
+    out = fam.forward(params, state.x, cfg, state.pos, state.pos, state.key_valid, unroll=spec.unroll,
+                      into=(state.k_cache, state.v_cache) if keep_cache else None)
     if keep_cache:
         state = state.replace(k_cache=out.kv[0], v_cache=out.kv[1])
     return fam.head_at(params, out.h, cfg, cs, spec.block_length), state
