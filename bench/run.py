@@ -509,14 +509,17 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
     results: dict[str, dict] = {}
     runs: dict[str, list[float]] = {d.name: [] for d in decoders}
     compile_s: dict[str, float] = {d.name: 0.0 for d in decoders}
+    compiled: dict[str, int] = {d.name: 0 for d in decoders}  # executables compiled (or loaded) per decoder
     same: dict[str, bool] = {d.name: True for d in decoders}
     for d, rep in plan:
         if bar is not None:
             bar.update(0, d.name + (f" (repeat {rep + 1})" if rep else ""))
+        n0 = bm.engine.compiles
         res = run_decoder(bm.engine, tok, d, items, gen_length, block_length, batch, slot, rc.seed, bar,
                           early_exit=rc.early_exit)
         runs[d.name].append(res["seconds"])
         compile_s[d.name] += res["compile_seconds"]
+        compiled[d.name] += bm.engine.compiles - n0
         if rep == 0:
             results[d.name] = res
         else:
@@ -545,7 +548,8 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
         overall["accuracy"] = float(np.mean([r["accuracy"] for r in drows]))
         overall.update(decode_seconds=seconds, decode_seconds_runs=runs[d.name], repeats=len(runs[d.name]),
                        tps_runs=[overall["non_eos_tokens"] / s if s > 0 else 0.0 for s in runs[d.name]],
-                       repeat_outputs_identical=same[d.name], compile_seconds=compile_s[d.name])
+                       repeat_outputs_identical=same[d.name], compile_seconds=compile_s[d.name],
+                       executables=compiled[d.name])
         rows += drows + [overall]
         per_item[d.name] = res["output"]
     load_after = _loadavg()
@@ -557,6 +561,7 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
         "config": dict(dataclasses.asdict(rc), gen_length=gen_length, block_length=block_length, batch=batch,
                        prompt_slot=slot, decoders_run=[d.name for d in decoders]),
         "decoders": {d.name: dict(dataclasses.asdict(d)) for d in decoders},
+        "executables_compiled": sum(compiled.values()),
         "machine": _machine(),
         "load_before": load_before,
         "load_after": load_after,
@@ -748,7 +753,8 @@ def markdown(result: dict) -> str:
         f"Model `{os.path.basename(result['model'].rstrip('/'))}`, {cfg['n']} held-out instances per task, "
         f"gen {cfg['gen_length']}, block {cfg['block_length']}, batch {cfg['batch']}, prompt slot "
         f"{cfg['prompt_slot']}; {result['date']}; load average before {result.get('load_before')}, after "
-        f"{result.get('load_after')}.",
+        f"{result.get('load_after')}; block programs compiled over the run (one per decoder and shape, "
+        f"persistent-cache loads included): {result.get('executables_compiled', '-')}.",
         "",
         "`tokens/s` is measured on this machine (unsuffixed rows: median of "
         f"{cfg.get('repeats', 1)} decodes); `H200 tokens/s (projection)` is a MODEL: LLaDA-8B shapes, bf16, "

@@ -247,6 +247,16 @@ class Model:
         ids = [self.prompt_ids(p, chat) for p in texts]
         return self.generate_ids(ids, dcfg, seed=seed, batch_size=batch_size, prompts=texts)
 
+    def precompile(self, shapes: Sequence[tuple[int, int]], *, running: bool = False,
+                   polestar: Optional[PolestarConfig] = None, **knobs: Any) -> list:
+        """Compiles the programs :meth:`generate` would use for these ``(batch, prompt_slot)`` shapes and
+        knobs now, and returns their :class:`~polestar_jax.cache.CompileRecord` (none for a shape already
+        compiled). A fixed batch of n prompts runs at :func:`~polestar_jax.engine.batch_bucket` ``(n)``
+        rows and prompt slot ``ceil(longest / 16) * 16``; ``running=True`` compiles a continuous job's
+        programs (``batch_size`` smaller than the prompts) instead. With ``load(..., compile_cache=True)``
+        later processes load them from the persistent cache."""
+        return self.engine.precompile(self.decode_config(polestar=polestar, **knobs), shapes, running=running)
+
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], dcfg: DecodeConfig, *, seed: int = 0,
                      rows: Optional[Sequence[int]] = None, batch_size: Optional[int] = None,
                      prompt_slot: Optional[int] = None, prompts: Optional[Sequence[str]] = None) -> Generations:

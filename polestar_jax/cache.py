@@ -7,10 +7,12 @@ compiling them (the bundled model's Polestar block step takes ~12 s to compile).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 from typing import Optional
 
-__all__ = ["enable_compile_cache", "cache_folder"]
+__all__ = ["enable_compile_cache", "cache_folder", "cache_hits", "CompileRecord", "compile_summary"]
 
 OFF = "off"
 
@@ -41,3 +43,60 @@ def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
     except OSError:
         return None
     return path
+
+
+_HITS = threading.local()
+_LISTENING = []  # [True] once the listener is registered (one per process)
+_LOCK = threading.Lock()
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _HIT_EVENT:
+        _HITS.n = getattr(_HITS, "n", 0) + 1
+
+
+def cache_hits() -> int:
+    """Executables this thread has loaded from the persistent compilation cache so far (JAX's
+    ``jax.monitoring`` cache-hit events; the listener is registered on the first call)."""
+    import jax
+
+    with _LOCK:
+        if not _LISTENING:
+            jax.monitoring.register_event_listener(_on_event)
+            _LISTENING.append(True)
+    return getattr(_HITS, "n", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecord:
+    """One program's first use: ``lower_seconds`` tracing and lowering it (JAX; paid even on a cache hit),
+    ``compile_seconds`` XLA compiling it or, with ``cache_hit``, loading it from the persistent cache."""
+
+    what: str
+    lower_seconds: float
+    compile_seconds: float
+    cache_hit: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.lower_seconds + self.compile_seconds
+
+    def line(self) -> str:
+        """The progress line printed after it."""
+        if self.cache_hit:
+            return (f"loaded {self.what} from the compilation cache in {self.seconds:.2f}s "
+                    f"(tracing and lowering {self.lower_seconds:.2f}s, loading {self.compile_seconds:.2f}s)")
+        return (f"compiled {self.what} in {self.seconds:.2f}s "
+                f"(tracing and lowering {self.lower_seconds:.2f}s, XLA {self.compile_seconds:.2f}s)")
+
+
+def compile_summary(records) -> str:
+    """What a job's compile seconds were (for the stats line): '' when nothing compiled."""
+    records = list(records)
+    if not records:
+        return ""
+    low = sum(r.lower_seconds for r in records)
+    hits = sum(r.cache_hit for r in records)
+    return (f" (tracing and lowering {low:.2f}s; {hits} of {len(records)} program{'s' if len(records) > 1 else ''}"
+            f" from the compilation cache)")

@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from polestar_jax.block import EngineSpec, Knobs, decode_block
+from polestar_jax.cache import CompileRecord, cache_hits
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
 from polestar_jax.polestar_state import STAT_FIELDS
@@ -180,6 +181,14 @@ def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: Dec
             raise PolestarError(f"prompt {r} has token ids outside [0, {mcfg.embedding_size})")
 
 
+def batch_bucket(n: int, limit: Optional[int] = None) -> int:
+    """The batch a fixed batch of ``n`` prompts compiles for: the smallest power of two that holds them,
+    at most ``limit`` (a job's batch size) when that holds them, so that jobs of nearby sizes share one
+    executable (1, 2, 4, 8, 16, 32, 64, ..., and the batch size itself)."""
+    b = 1 << max(0, int(n) - 1).bit_length()
+    return min(b, int(limit)) if limit is not None and limit >= n else b
+
+
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
     return (treedef, tuple((tuple(a.shape), str(a.dtype), getattr(a, "sharding", None)) for a in leaves))
@@ -244,6 +253,8 @@ class Engine:
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self._builders: dict = {}  # the sharded state builders (with a mesh), one per layout and shape
         self.compiles = 0  # programs compiled by this engine so far (cache hits of the persistent cache included)
+        #: the latest compiles (:class:`CompileRecord`, oldest first; bounded)
+        self.compile_records: collections.deque = collections.deque(maxlen=256)
 
     # ----------------------------------------------------------------------------------- executables
     def __repr__(self) -> str:
@@ -261,22 +272,27 @@ class Engine:
         self._builders.clear()
 
     def _program(self, key, build: Callable[[], Any], what: str):
-        """The program cached under ``key`` (built with ``build()`` on first use); returns (program, seconds)."""
+        """The program cached under ``key`` (on first use: ``build()`` traces and lowers it, then XLA compiles
+        it or the persistent cache loads it); returns (program, seconds)."""
         if key in self._programs:
             self._programs.move_to_end(key)
             return self._programs[key], 0.0
         if self.log is not None:
             self.log(f"compiling {what} ...")
         t0 = time.perf_counter()
-        prog = build()
-        secs = time.perf_counter() - t0
+        lowered = build()
+        t1 = time.perf_counter()
+        hits = cache_hits()
+        prog = lowered.compile()
+        rec = CompileRecord(what, t1 - t0, time.perf_counter() - t1, cache_hits() > hits)
+        self.compile_records.append(rec)
         if self.log is not None:
-            self.log(f"compiled {what} in {secs:.2f}s")
+            self.log(rec.line())
         self._programs[key] = prog
         self.compiles += 1
         while len(self._programs) > self.max_executables:
             self._programs.popitem(last=False)
-        return prog, secs
+        return prog, rec.seconds
 
     def spec(self, dcfg: DecodeConfig) -> EngineSpec:
         """The block program's structure for ``dcfg`` (with this model's stop tokens for early exit)."""
@@ -299,7 +315,7 @@ class Engine:
                 rep = NamedSharding(mesh, PartitionSpec())
                 kw["out_shardings"] = (jax.tree.map(lambda a: a.sharding, state), jax.tree.map(lambda _: rep, out[1]))
             jitted = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",), **kw)
-            return jitted.lower(params, state, knobs, replay, spec).compile()
+            return jitted.lower(params, state, knobs, replay, spec)
 
         return self._program(key, build, f"the {spec.decoder} block program for batch {b}, prompt slot {slot}, "
                                          f"gen length {spec.gen_length}")
@@ -313,9 +329,30 @@ class Engine:
             if mesh is not None:
                 kw["out_shardings"] = jax.tree.map(lambda a: a.sharding, state)
             return jax.jit(_insert, static_argnames=("layout",), donate_argnames=("state",), **kw).lower(
-                state, fields, jnp.int32(0), layout).compile()
+                state, fields, jnp.int32(0), layout)
 
         return self._program(key, build, f"the row insertion for batch {state.x.shape[0]}")
+
+    def precompile(self, dcfg: DecodeConfig, shapes: Sequence[tuple[int, int]], running: bool = False,
+                   sampling: bool = False) -> list[CompileRecord]:
+        """Compiles ``dcfg``'s programs for each ``(batch, prompt_slot)`` of ``shapes`` now, so that the jobs
+        of those shapes start decoding at once (with the persistent cache on, later processes load them).
+        ``running``: the programs of a :class:`RunningBatch` of that many slots (a continuous job, the
+        server; ``sampling`` its sampling variant) instead of a fixed batch's (:meth:`run`; :meth:`generate`
+        when the prompts fit, its batch bucketed with :func:`batch_bucket`). Returns the records of the
+        programs compiled (none for a shape already held)."""
+        n0 = self.compiles
+        for b, slot in shapes:
+            b, slot = int(b), int(slot)
+            if b < 1 or slot < 1:
+                raise PolestarError(f"a shape to compile needs a batch and a prompt slot >= 1, got {b}x{slot}")
+            if running:
+                RunningBatch(self, dcfg, b, slot, sampling=sampling)
+            else:  # a state of this shape (its values do not matter: the program is keyed by shapes)
+                state = self._state([[self.config.pad_token_id]] * b, dcfg, slot, 0, list(range(b)), None)
+                self.block_program(self.params, state, self.knobs(dcfg), self.spec(dcfg))
+        new = self.compiles - n0
+        return list(self.compile_records)[-new:] if new else []
 
     # ----------------------------------------------------------------------------------- bucketing
     def prompt_slot(self, lengths: Sequence[int], multiple: int = PAD_MULTIPLE) -> int:
@@ -427,13 +464,17 @@ class Engine:
             raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
         if batch_size is None or n <= batch_size:  # every prompt fits: one fixed batch in lockstep (early exit)
             t_start = time.perf_counter()
-            res = self.run(prompts, dcfg, seed=seed, rows=rows, prompt_slot=slot, gen_lengths=gens)
+            # the batch is bucketed (batch_bucket): the extra rows are copies of row 0 (same steps, dropped)
+            b = batch_bucket(n, batch_size)
+            pad = b - n
+            res = self.run(list(prompts) + [prompts[0]] * pad, dcfg, seed=seed, rows=rows + [rows[0]] * pad,
+                           prompt_slot=slot, gen_lengths=gens + [gens[0]] * pad)
             out = [res.row(r, rows[r]) for r in range(n)]
             for r in out:
                 if on_row is not None:
                     on_row(r)
             return JobResult(rows=out, decode=dcfg, seconds=res.seconds, compile_seconds=res.compile_seconds,
-                             batch_size=n, prompt_slot=slot, block_calls=max(gens) // dcfg.block_length,
+                             batch_size=b, prompt_slot=slot, block_calls=max(gens) // dcfg.block_length,
                              wall_seconds=time.perf_counter() - t_start)
         size = batch_size
         t_start = time.perf_counter()

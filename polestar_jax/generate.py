@@ -66,7 +66,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows decoding at once (default: every prompt); a finished row's slot takes the next "
                          "prompt at the next block boundary")
     ap.add_argument("--quiet", action="store_true", help="no compile progress or notes on stderr")
+    ap.add_argument("--precompile", metavar="BxS[,BxS...]", default=None,
+                    help="compile the block programs of these shapes first (batch x prompt slot, e.g. 1x48,8x64; "
+                         "prompt slots are multiples of 16); without a prompt: compile them into the "
+                         "persistent cache and exit")
     return ap
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``--precompile``'s shapes: ``"1x48,8x64"`` -> [(1, 48), (8, 64)]; one-line errors otherwise."""
+    shapes = []
+    for part in text.split(","):
+        b, sep, slot = part.strip().lower().partition("x")
+        if not (sep and b.isdigit() and slot.isdigit() and int(b) > 0 and int(slot) > 0):
+            raise PolestarError(f"--precompile takes shapes BATCHxSLOT separated by commas (e.g. 1x48,8x64), "
+                                f"got {part.strip()!r}")
+        if int(slot) % 16:
+            raise PolestarError(f"--precompile: a prompt slot is a multiple of 16 (prompts are padded to one), "
+                                f"got {slot}")
+        shapes.append((int(b), int(slot)))
+    return shapes
 
 
 def resolve_args(args, defaults: Optional[dict] = None, family: Optional[str] = None):
@@ -106,7 +125,16 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-from polestar_jax.cache import enable_compile_cache  # noqa: E402,F401 - kept here for callers and tests
+from polestar_jax.cache import compile_summary, enable_compile_cache  # noqa: E402,F401 - kept here for callers and tests
+
+
+def _precompile(engine, dcfg: DecodeConfig, shapes, compile_only: bool, leader: bool) -> bool:
+    """``--precompile``: compiles the shapes' programs; without a prompt prints one line (True: done)."""
+    ahead = engine.precompile(dcfg, shapes)
+    if compile_only and leader:
+        print(f"precompiled {len(ahead)} program{'' if len(ahead) == 1 else 's'} in "
+              f"{sum(r.seconds for r in ahead):.2f}s{compile_summary(ahead)}")
+    return compile_only
 
 
 def dry_run(args, dcfg: DecodeConfig) -> int:
@@ -171,7 +199,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             print(f"note: {note}", file=sys.stderr)
     if args.batch_size is not None and args.batch_size < 1:
         raise PolestarError(f"--batch-size must be >= 1, got {args.batch_size}")
-    prompts = None if args.dry_run else read_prompts(args)
+    shapes = None if args.precompile is None else parse_shapes(args.precompile)
+    compile_only = shapes is not None and not args.prompt and not args.prompts_file
+    prompts = None if args.dry_run or compile_only else read_prompts(args)
     enable_compile_cache()
     if args.dry_run:
         return dry_run(args, dcfg)
@@ -190,10 +220,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     model_dir = args.model or bundled_model_dir()
     cfg, params = load_model(model_dir, dtype=args.dtype, shardings=mesh)  # each process reads its shards
     tok = load_tokenizer(model_dir)
-    ids = [tok.encode(p) if args.no_chat else tok.chat_prompt_ids(p) for p in prompts]
     log = None if args.quiet or not sharding.is_leader() else (lambda m: print(m, file=sys.stderr, flush=True))
     engine = Engine(params, cfg, tok, mesh=mesh, log=log)
+    if shapes is not None and _precompile(engine, dcfg, shapes, compile_only, sharding.is_leader()):
+        return 0
+    ids = [tok.encode(p) if args.no_chat else tok.chat_prompt_ids(p) for p in prompts]
+    n0 = engine.compiles
     job = engine.generate(ids, dcfg, seed=args.seed, batch_size=args.batch_size)
+    compiled = list(engine.compile_records)[len(engine.compile_records) - (engine.compiles - n0):]
     if not sharding.is_leader():  # process 0 prints the results (every process has them)
         return 0
     # with --json, stdout carries exactly one line (the JSON document); the text goes to stderr
@@ -220,13 +254,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{dcfg.decoder}/{dcfg.cache}] nfe={row['nfe']} tpf={row['tpf']:.2f} "
               f"tokens={row['generated_tokens']}{extra}", file=text_out)
     print(f"stats: nfe={nfe} tpf={total_tokens / max(nfe, 1):.2f} tokens/s={tps:.1f} decode={job.seconds:.3f}s "
-          f"compile={job.compile_seconds:.2f}s", file=text_out)
+          f"compile={job.compile_seconds:.2f}s{compile_summary(compiled)}", file=text_out)
     if args.json:
-        cli.print_json(_json_document(rows, tps, job, dcfg, model_dir))
+        cli.print_json(_json_document(rows, tps, job, dcfg, model_dir, compiled))
     return 0
 
 
-def _json_document(rows: list[dict], tps: float, job, dcfg: DecodeConfig, model_dir: str) -> dict:
+def _json_document(rows: list[dict], tps: float, job, dcfg: DecodeConfig, model_dir: str, compiled=()) -> dict:
     """The ``--json`` document: one row's fields (several rows: lists), the job's totals and every row."""
     one = len(rows) == 1
     out = dict(rows[0]) if one else {"text": [r["text"] for r in rows]}
@@ -236,6 +270,7 @@ def _json_document(rows: list[dict], tps: float, job, dcfg: DecodeConfig, model_
     for key in ("nfe", "tpf", "token_ids"):
         out[key] = rows[0][key] if one else [r[key] for r in rows]
     out.update({"tps": tps, "decode_seconds": job.seconds, "compile_seconds": job.compile_seconds,
+                "compiled": [dataclasses.asdict(r) for r in compiled],
                 "decoder": dcfg.decoder, "cache": dcfg.cache, "gen_length": dcfg.gen_length,
                 "block_length": dcfg.block_length, "early_exit": dcfg.early_exit, "model": model_dir, "rows": rows})
     return out

@@ -100,6 +100,8 @@ class Scheduler:
         self.sampling = sampling
         self.metrics = metrics or (lambda name, value: None)
         t0 = time.perf_counter()
+        # its shape compiled up front (Engine.precompile), then a batch of that shape (no recompile)
+        self.compiled = engine.precompile(dcfg, [(self.max_batch, self.prompt_slot)], running=True, sampling=sampling)
         self.batch = self._new_batch()
         self.compile_seconds = time.perf_counter() - t0
         self._queue: collections.deque[Job] = collections.deque()

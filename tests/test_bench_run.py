@@ -49,6 +49,11 @@ def test_bench_run_smoke(tmp_path, capsys):
     for key in ("load_before", "load_after"):
         assert len(meta[key]) == 3 and all(v >= 0 for v in meta[key]), meta[key]
     assert meta["command"].startswith("python -m bench.run --n 3")
+    # one block program per decoder (batch 7 at one prompt slot, both repeats); the threshold sweep rows
+    # reuse their decoder's (the threshold is a run-time knob)
+    assert meta["executables_compiled"] == len(SMOKE_DECODERS)
+    assert {r["decoder"]: r["executables"] for r in rows if r["task"] == "all"} == {
+        n: int(n in SMOKE_DECODERS) for n in names}
     for r in rows:
         for key in ("decoder", "task", "accuracy", "tpf", "tps", "nfe", "gflops_per_token", "tps_h200_projection",
                     "threshold", "forwards_full", "forwards_windowed", "forwards_step", "forwards_refresh"):

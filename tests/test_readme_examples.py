@@ -44,7 +44,9 @@ _ANSWER = re.compile(r"#\s*->\s*(\S.*?)\s*$")
 #: Timings in printed output: replaced by '#' on both sides before comparing.
 _VOLATILE = ((re.compile(r"(tokens/s=|decode=|compile=)[0-9.]+"), r"\1#"),
              (re.compile(r"[0-9][0-9.,]*( tokens/s)"), r"#\1"),
-             (re.compile(r"(compile )[0-9.]+"), r"\1#"))
+             (re.compile(r"(compile |programs? in )[0-9.]+"), r"\1#"),
+             # what the compile seconds were depends on the compilation cache's state
+             (re.compile(r" \(tracing and lowering [^)]*\)"), ""))
 
 
 @dataclasses.dataclass
