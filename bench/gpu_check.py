@@ -10,7 +10,7 @@ nothing is downloaded), then times one forward of each step kind, batch ``--batc
                        columns can subtract the head: at 8B it reads 1 GiB of weights per call, more than
                        two layers);
 * ``full``             ``samplers.full_forward`` over all L rows, cache kept (the block-start pass of Fast-dLLM);
-* ``polestar_start``   Polestar's block-start full pass (``polestar_start.start_pass``: full forward + k-means of
+* ``polestar_start``   Polestar's block-start full pass (``polestar_start.block_start_forward``: full forward + k-means of
                        the refresh windows + centroid proxy attention); its output state feeds the Polestar
                        steps below, so they run on real clusters and K/V;
 * ``dual_step``        ``samplers.cached_forward`` with the dual cache: B rows against the cached prefix+suffix;
@@ -234,7 +234,7 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str, unroll: 
         def start(p, s, cs):  # (the full pass's window, as polestar.start: Dream's 64 / 32 rows)
             geo = PSt.geometry(s, cs, B, pc, window=pc.pass_window(B, False))
             draws = DR.block_start_draws(s, geo, cfg, pc, B, None)
-            out = PST.start_pass(p, s, geo, cfg, pc, B, False, draws, unroll=unroll)
+            out = PST.block_start_forward(p, s, geo, cfg, pc, B, False, draws, unroll=unroll)
             pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels, centroids=out.clusters.centroids,
                                      counts=out.clusters.counts, n_clusters=out.clusters.n, s_prev=out.s_prev,
                                      p_prev=out.p_prev)

@@ -28,7 +28,7 @@ from polestar_jax.commit import Prediction, commit_threshold, noise_keys, predic
 from polestar_jax.draws import at_forward, block_start_draws
 from polestar_jax.drift import drift_delta, push_history
 from polestar_jax.family import family_of
-from polestar_jax.polestar_start import start_pass
+from polestar_jax.polestar_start import cluster_layers, start_pass
 from polestar_jax.polestar_state import geometry, rows_at
 from polestar_jax.polestar_step import StepForwardOut, step_forward
 from polestar_jax.rows import batch_any
@@ -86,9 +86,11 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
         geo_w = geometry(state, ctx.cs, block, pc, window=pc.pass_window(block, True))
         geo = jax.tree.map(lambda w, f: jnp.where(windowed, w, f), geo_w, geo)
     draws = block_start_draws(state, geo, ctx.cfg, pc, block, ctx.replay)
-    run = lambda w: (lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, w, draws, spec.unroll))
+    run = lambda w: (lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, w, spec.unroll))
     if not pc.windowed_period:
         out = run(False)()
+    elif not spec.per_row:  # every row at the same block: one pass or the other
+        out = lax.cond(windowed, run(True), run(False))
     else:  # rows at different blocks may need different passes: each pass runs when a live row needs it
         any_w, any_f = batch_any(windowed & ctx.live), batch_any(~windowed & ctx.live)
         shape = jax.eval_shape(run(False))
@@ -102,6 +104,7 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
                            out_f._replace(hs=None, hs_scale=None))
         out = sel._replace(hs=offload.where(windowed, out_w.hs, out_f.hs, pc),
                            hs_scale=offload.where(windowed, out_w.hs_scale, out_f.hs_scale, pc))
+    out = cluster_layers(ctx.params, out, state, geo, ctx.cfg, pc, block, draws, spec.unroll)
     pol = state.polestar
     masked = ctx.masked(state)
     active = jnp.any(masked, axis=1)

@@ -21,6 +21,18 @@ from polestar_jax.polestar_state import Geometry, rows_at
 from polestar_jax.state import DecodeState
 
 
+class PassOut(NamedTuple):
+    """What a block-start pass computes (:func:`start_pass`); :func:`cluster_layers` clusters its rows."""
+
+    k: jax.Array  # [N, b, KV, L, hd]
+    v: jax.Array
+    hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.offload), host memory when offloaded
+    hs_scale: jax.Array  # [N, b, R]
+    rows: jax.Array  # [N, b, R, D] every layer's refresh-window inputs as computed (what is clustered)
+    p_prev: jax.Array  # [b, H, B, L]
+    logits: jax.Array  # [b, B, V]
+
+
 class StartOut(NamedTuple):
     k: jax.Array  # [N, b, KV, L, hd]
     v: jax.Array
@@ -43,16 +55,6 @@ class PassRows(NamedTuple):
     write_valid: jax.Array  # [b, T] which of them exist
 
 
-class StartLayerIn(NamedTuple):
-    """The layer-scan inputs of the block-start pass."""
-
-    lp: dict
-    k_cache: jax.Array  # [b, KV, L, hd] (windowed pass) or None
-    v_cache: jax.Array
-    draws_pre: KMeansDraws
-    draws_suf: KMeansDraws
-
-
 def pass_rows(state: DecodeState, geo: Geometry, pc: PolestarConfig, block: int, windowed: bool) -> PassRows:
     length, b = state.x.shape[1], state.x.shape[0]
     if not windowed:
@@ -70,38 +72,59 @@ def pass_rows(state: DecodeState, geo: Geometry, pc: PolestarConfig, block: int,
 
 
 def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
-               windowed: bool, draws: tuple[KMeansDraws, KMeansDraws], unroll: int | bool = 1) -> StartOut:
+               windowed: bool, unroll: int | bool = 1) -> PassOut:
     """The block-start forward: full sequence (``windowed=False``) or the window only (``windowed=True``,
-    keys outside the window stay as cached)."""
-    pre = pc.prefix_rows(block)
+    keys outside the window stay as cached). Its window rows are clustered afterwards
+    (:func:`cluster_layers`), once for both kinds of pass."""
     b, length = state.x.shape
     rows = pass_rows(state, geo, pc, block, windowed)
     fam = family_of(cfg)
     q_rope, k_rope = Rope.at(rows.q_pos, cfg), Rope.at(state.pos, cfg)
 
-    def layer(carry, xs: StartLayerIn, kv):
+    def layer(carry, lp, kv):
         h, _ = carry
-        if windowed:  # (the K/V cache rides in the scan's carry: model.layer_scan)
-            xs = xs._replace(k_cache=kv[0], v_cache=kv[1])
         hs = rows_at(h, rows.store_rows)  # [b, R, D]
-        cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
-                                                                    pc.kmeans_iters))(
-            hs[:, :pre], geo.pre_len, hs[:, pre:], geo.suf_len, xs.draws_pre, xs.draws_suf)
         write = None
         if windowed:
-            write = lambda k, v: (scatter_kv_rows(xs.k_cache, k, rows.write_idx, rows.write_valid, backend=pc.kernels),
-                                  scatter_kv_rows(xs.v_cache, v, rows.write_idx, rows.write_valid, backend=pc.kernels))
-        out = fam.layer(xs.lp, h, cfg, q_rope, k_rope, state.key_valid, write=write, return_probs=True)
+            # (the K/V cache rides in the scan's carry: model.layer_scan)
+            write = lambda k, v: (scatter_kv_rows(kv[0], k, rows.write_idx, rows.write_valid, backend=pc.kernels),
+                                  scatter_kv_rows(kv[1], v, rows.write_idx, rows.write_valid, backend=pc.kernels))
+        out = fam.layer(lp, h, cfg, q_rope, k_rope, state.key_valid, write=write, return_probs=True)
         p_blk = lax.dynamic_slice_in_dim(out.probs, rows.block_offset, block, axis=2)  # kept from the last layer
-        s = proxy_attention(xs.lp, cl.centroids, out.keys.k, cfg, state.key_valid, pc.proxy_score)
         stored, scale = offload.encode(hs, pc)
-        return (out.h, p_blk), (offload.to_host(stored, pc), offload.to_host(scale, pc), cl, s), \
+        return (out.h, p_blk), (offload.to_host(stored, pc), offload.to_host(scale, pc), hs), \
             (out.keys.k, out.keys.v)
 
     p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
-    xs = StartLayerIn(params["blocks"], None, None, *draws)
     # (a full pass overwrites every layer's K/V in place, a windowed one its window's rows)
-    (h, p_blk), (hs, hs_sc, cl, s), (kk, vv) = layer_scan(layer, (fam.embed(params, rows.ids), p0), xs,
-                                                          (state.k_cache, state.v_cache), unroll=unroll)
+    (h, p_blk), (hs, hs_sc, raw), (kk, vv) = layer_scan(layer, (fam.embed(params, rows.ids), p0), params["blocks"],
+                                                        (state.k_cache, state.v_cache), unroll=unroll)
     logits = fam.head_at(params, h, cfg, rows.block_offset, block)
-    return StartOut(kk, vv, hs, hs_sc, cl, s, p_blk, logits)
+    return PassOut(kk, vv, hs, hs_sc, raw, p_blk, logits)
+
+
+def cluster_layers(params, out: PassOut, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig,
+                   block: int, draws: tuple[KMeansDraws, KMeansDraws], unroll: int | bool = 1) -> StartOut:
+    """Every layer's refresh-window inputs of a block-start pass clustered (k-means over the prefix and
+    suffix windows, :func:`polestar_jax.cluster.cluster_windows`), and the proxy attention of the centroids
+    against the layer's new keys (``s_prev``). Run once after whichever pass ran, so the program holds one
+    copy of it."""
+    pre = pc.prefix_rows(block)
+
+    def layer(_, xs):
+        lp, hs, k, d_pre, d_suf = xs
+        cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
+                                                                    pc.kmeans_iters))(
+            hs[:, :pre], geo.pre_len, hs[:, pre:], geo.suf_len, d_pre, d_suf)
+        return None, (cl, proxy_attention(lp, cl.centroids, k, cfg, state.key_valid, pc.proxy_score))
+
+    _, (cl, s) = lax.scan(layer, None, (params["blocks"], out.rows, out.k, *draws), unroll=unroll)
+    return StartOut(out.k, out.v, out.hs, out.hs_scale, cl, s, out.p_prev, out.logits)
+
+
+def block_start_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig,
+                        block: int, windowed: bool, draws: tuple[KMeansDraws, KMeansDraws],
+                        unroll: int | bool = 1) -> StartOut:
+    """One kind of block-start pass and its clustering (:func:`start_pass`, then :func:`cluster_layers`)."""
+    out = start_pass(params, state, geo, cfg, pc, block, windowed, unroll)
+    return cluster_layers(params, out, state, geo, cfg, pc, block, draws, unroll)

@@ -54,7 +54,7 @@ N_BLOCKS = GEN // B
 ATOL = RTOL = 1e-4
 
 # compiled once per module (static: cfg, pc, block, windowed / refresh)
-_start_pass = jax.jit(PST.start_pass, static_argnums=(3, 4, 5, 6))
+_start_pass = jax.jit(PST.block_start_forward, static_argnums=(3, 4, 5, 6))
 _step_forward = jax.jit(PSS.step_forward, static_argnums=(3, 4, 5, 6))
 _cluster_windows = jax.jit(C.cluster_windows, static_argnums=(6, 7))
 
