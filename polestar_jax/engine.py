@@ -592,7 +592,8 @@ class RunningBatch:
         self.state = engine._state(empty, dcfg, self.slot, 0, list(range(self.size)), None)
         self.state = self.state.replace(n_blocks=jnp.zeros_like(self.state.n_blocks))  # every slot free
         base = Knobs.from_config(dcfg)
-        self._knobs = {k: np.full((self.size,), float(getattr(base, k)), np.float32) for k in Knobs._fields}
+        self._base_knobs = {k: float(getattr(base, k)) for k in Knobs._fields}  # (read once: host floats)
+        self._knobs = {k: np.full((self.size,), v, np.float32) for k, v in self._base_knobs.items()}
         self._knobs_dev = None
         self.fn, c1 = engine.block_program(engine.params, self.state, self.knobs, self.spec)
         self.insert_fn, c2 = engine._insert_program(self.state, self._fields([1], 0, 0, dcfg.gen_length), self.layout)
@@ -638,8 +639,7 @@ class RunningBatch:
             raise PolestarError("this batch decodes greedily (temperature 0); sampling needs a batch with a "
                                 "temperature > 0")
         for name, v in (("threshold", threshold), ("temperature", temperature), ("factor", factor)):
-            base = float(getattr(Knobs.from_config(self.dcfg), name))
-            self._knobs[name][slot] = base if v is None else float(v)
+            self._knobs[name][slot] = self._base_knobs[name] if v is None else float(v)
         self._knobs_dev = None
         self.state = self.insert_fn(self.state, self._fields(prompt, seed, row, gen), jnp.int32(slot))
         self.slots[slot] = _Occupant(tag=tag, n_blocks=gen // self.dcfg.block_length, inserted=time.perf_counter())
