@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax import offload
 from polestar_jax.policy import BlockCtx, Policy, write_commits
 from polestar_jax.commit import Prediction, commit_threshold, noise_keys, predict
 from polestar_jax.draws import at_forward, block_start_draws
@@ -91,19 +90,12 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
         out = run(False)()
     elif not spec.per_row:  # every row at the same block: one pass or the other
         out = lax.cond(windowed, run(True), run(False))
-    else:  # rows at different blocks may need different passes: each pass runs when a live row needs it
-        any_w, any_f = batch_any(windowed & ctx.live), batch_any(~windowed & ctx.live)
-        shape = jax.eval_shape(run(False))
-
-        def skip():  # the pass no live row needs: zeros of its shape (the store where it lives)
-            z = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
-            return z._replace(hs=offload.to_host(z.hs, pc), hs_scale=offload.to_host(z.hs_scale, pc))
-
-        out_w, out_f = lax.cond(any_w, run(True), skip), lax.cond(any_f, run(False), skip)
-        sel = jax.tree.map(lambda a, b: jnp.where(windowed, a, b), out_w._replace(hs=None, hs_scale=None),
-                           out_f._replace(hs=None, hs_scale=None))
-        out = sel._replace(hs=offload.where(windowed, out_w.hs, out_f.hs, pc),
-                           hs_scale=offload.where(windowed, out_w.hs_scale, out_f.hs_scale, pc))
+    else:  # rows at different blocks may need different passes: the windowed pass when every live row takes
+        # one; else one full-length pass in which the windowed rows keep their cached K/V outside their window
+        # (their window rows compute what the windowed pass computes: one pass, not two, for a mixed batch)
+        only_w = ~batch_any(~windowed & ctx.live)
+        mixed = lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, False, spec.unroll, keep=windowed)
+        out = lax.cond(only_w, run(True), mixed)
     out = cluster_layers(ctx.params, out, state, geo, ctx.cfg, pc, block, draws, spec.unroll)
     pol = state.polestar
     masked = ctx.masked(state)

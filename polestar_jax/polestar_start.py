@@ -71,20 +71,39 @@ def pass_rows(state: DecodeState, geo: Geometry, pc: PolestarConfig, block: int,
                     jnp.broadcast_to(q_abs, valid.shape).astype(jnp.int32), valid)
 
 
+def kept_outside_window(state: DecodeState, geo: Geometry, pc: PolestarConfig, block: int, keep) -> jax.Array:
+    """[b, L] bool: the cache positions a full-length pass keeps as cached, for the rows of ``keep`` ([b] or
+    [] bool) that take a windowed block start: those outside the windowed pass's window and those the
+    windowed pass would not write (padding, past the sequence)."""
+    b, length = state.x.shape
+    pre, suf = pc.pass_window(block, True)
+    pos = jnp.arange(length)
+    cs = jnp.reshape(geo.cs, (-1, 1))  # [] or [b] -> [1 | b, 1]
+    written = (pos[None] >= cs - pre) & (pos[None] < cs + block + suf) & (pos[None] >= -state.pos[:, :1])
+    return jnp.broadcast_to(jnp.reshape(keep, (-1, 1)), (b, length)) & ~written
+
+
 def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
-               windowed: bool, unroll: int | bool = 1) -> PassOut:
+               windowed: bool, unroll: int | bool = 1, keep=None) -> PassOut:
     """The block-start forward: full sequence (``windowed=False``) or the window only (``windowed=True``,
     keys outside the window stay as cached). Its window rows are clustered afterwards
-    (:func:`cluster_layers`), once for both kinds of pass."""
+    (:func:`cluster_layers`), once for both kinds of pass.
+
+    ``keep`` ([b] or [] bool, full passes only): rows that take a windowed start inside this full-length
+    pass: their K/V outside the window stay as cached, so their window rows compute what the windowed
+    pass computes (a running batch whose rows need both kinds runs this one pass instead of two)."""
     b, length = state.x.shape
     rows = pass_rows(state, geo, pc, block, windowed)
     fam = family_of(cfg)
     q_rope, k_rope = Rope.at(rows.q_pos, cfg), Rope.at(state.pos, cfg)
+    kept = None if keep is None else kept_outside_window(state, geo, pc, block, keep)[:, None, :, None]
 
     def layer(carry, lp, kv):
         h, _ = carry
         hs = rows_at(h, rows.store_rows)  # [b, R, D]
         write = None
+        if kept is not None:  # (the K/V cache rides in the scan's carry: model.layer_scan)
+            write = lambda k, v: (jnp.where(kept, kv[0], k), jnp.where(kept, kv[1], v))
         if windowed:
             # (the K/V cache rides in the scan's carry: model.layer_scan)
             write = lambda k, v: (scatter_kv_rows(kv[0], k, rows.write_idx, rows.write_valid, backend=pc.kernels),

@@ -103,6 +103,36 @@ def test_exact_under_load(model, name):
             assert "".join(e.text for e in evs if e.kind == "block") == evs[-1].text
 
 
+def test_windowed_and_full_block_starts_in_one_call(model):
+    """Polestar in a running batch: rows whose block starts differ in kind share one block call (row 0 at its
+    block 3, a windowed start; rows 1-2 at block 0, full starts; row 3 free), and each gets its tokens
+    alone. (The batch is the scheduler's sampling program of test_exact_under_load: no new compile.)"""
+    from polestar_jax.engine import RunningBatch
+
+    dcfg = model.decode_config(gen_length=32, decoder="polestar")
+    assert dcfg.polestar.windowed_period == 4 and dcfg.num_blocks == 4
+    batch = RunningBatch(model.engine, dcfg, 4, 64, sampling=True)
+    # (row 0's answer reaches its last block: no early exit before block 3)
+    ids = [model.prompt_ids(t) for t in ("copy: kat,leo,pat,rex,val,jan,ivy,gus,hal", TEXTS[0], TEXTS[5])]
+    batch.insert(ids[0], seed=2, row=0, tag=0)
+    for _ in range(3):
+        batch.step()
+    assert batch.progress()[0][0] == 3 and not batch.progress()[1][0], "row 0 must still be decoding"
+    batch.insert(ids[1], seed=1, row=0, tag=1)
+    batch.insert(ids[2], seed=4, row=0, tag=2, temperature=0.7)
+    rows = {}
+    while batch.occupied:
+        batch.step()
+        rows.update({r.index: r for r in batch.finished()})
+    full = {int(v) for v in rows[1].polestar["full_pass"]} | {int(v) for v in rows[2].polestar["full_pass"]}
+    assert int(rows[0].polestar["windowed"][3]) == 1 and 1 in full
+    for tag, seed, temp in ((0, 2, 0.0), (1, 1, 0.0), (2, 4, 0.7)):
+        want = model.engine.run([ids[tag]], dataclasses.replace(dcfg, temperature=temp), seed=seed, rows=[0],
+                                prompt_slot=64).row(0)
+        np.testing.assert_array_equal(rows[tag].tokens, want.tokens[: len(rows[tag].tokens)], err_msg=f"row {tag}")
+        assert rows[tag].nfe == want.nfe
+
+
 def test_stop_strings_cancel_and_queue(model):
     dcfg = model.decode_config(gen_length=32, decoder="fastdllm")
     sched = Scheduler(model.engine, dcfg, max_batch=2, prompt_slot=64, max_queue=2)
