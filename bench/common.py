@@ -21,6 +21,7 @@ from typing import Iterator, Optional, Sequence
 from polestar_jax.checkpoint import generation_defaults, load_model
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.engine import Engine, GenerateResult
+from polestar_jax.engine import prompt_slot as engine_prompt_slot
 from polestar_jax.errors import PolestarError
 from polestar_jax.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer
 
@@ -64,8 +65,9 @@ def load_bench_model(model: Optional[str] = None, gen_length: Optional[int] = No
 
 
 def prompt_slot(prompts: Sequence[Sequence[int]], multiple: int = SLOT_MULTIPLE) -> int:
-    """The prompt slot of a job: its longest prompt rounded up to ``multiple``."""
-    return -(-max(len(p) for p in prompts) // multiple) * multiple
+    """The prompt slot of a job: its longest prompt rounded up to ``multiple`` (the engine's rule,
+    :func:`polestar_jax.engine.prompt_slot`)."""
+    return engine_prompt_slot([len(p) for p in prompts], multiple)
 
 
 def padded_batches(prompts: Sequence[Sequence[int]], batch: int) -> Iterator[tuple[int, list, list[int]]]:

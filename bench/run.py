@@ -310,7 +310,6 @@ def run_decoder(engine, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, 
     window rows it computes per layer at batch 1, mean over layers -- the smallest compiled width that holds
     the row's own selection)."""
     dcfg = decode_config(d, gen_length, block_length, early_exit)
-    mcfg = engine.config
     keys = ("output", "correct", "nfe", "non_eos", "refresh", "steps", "early", "suffix", "full", "windowed",
             "step", "refresh_rows")
     out: dict[str, Any] = {k: [] for k in keys}
@@ -324,13 +323,13 @@ def run_decoder(engine, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, 
         tokens.append(res.tokens[:n_real])
         for r in range(n_real):
             task, prompt, _ = items[start + r]
-            toks = res.row(r).tokens  # the blocks the row decoded (early exit: up to its first stop token's)
-            text = T.decode_answer(tok, toks)
+            row = res.row(r)  # the blocks the row decoded (early exit: up to its first stop token's)
+            text = T.decode_answer(tok, row.tokens)
             nfe = int(res.nfe[r])
             out["output"].append(text)
             out["correct"].append(T.score(task, prompt, text))
             out["nfe"].append(nfe)
-            out["non_eos"].append(int(np.sum((toks != mcfg.eos_token_id) & (toks != mcfg.pad_token_id))))
+            out["non_eos"].append(engine.completion(row).non_eos_tokens)  # (the engine's accounting)
             if res.polestar is not None:
                 ps = res.polestar
                 ref = int(ps["refresh_steps"][r].sum())
@@ -350,7 +349,7 @@ def run_decoder(engine, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, 
                 out["step"].append(nfe - full - windowed - ref)
                 out["refresh_rows"].append(rows)
             else:
-                full = nfe if d.cache == "none" else len(res.row(r).block_nfe)  # cached: a full start per block
+                full = nfe if d.cache == "none" else len(row.block_nfe)  # cached: a full start per block
                 out["full"].append(full)
                 out["windowed"].append(0)
                 out["step"].append(nfe - full)
@@ -367,34 +366,45 @@ def run_decoder(engine, tok: Tokenizer, d: Decoder, items: list[tuple[str, str, 
 
 
 @functools.lru_cache(maxsize=None)
-def _projection_model(slot: int, gen_length: int, block_length: int):
+def _projection_model(slot: int, gen_length: int, block_length: int, batch: int = 1):
     from bench import gpu_check as G
 
     base = ModelConfig.from_json(G.LLADA_8B_CONFIG)
     cc = G.CheckConfig(layers=base.n_layers, prompt_length=slot, gen_length=gen_length, block_length=block_length,
-                       batch=1)
+                       batch=batch)
     cfg, _ = G.model_config(cc)
     return G, cfg, cc
 
 
 @functools.lru_cache(maxsize=4096)
-def _roofline(slot: int, gen_length: int, block_length: int, kind: str, rows: Optional[float]) -> dict:
-    G, cfg, cc = _projection_model(slot, gen_length, block_length)
+def _roofline(slot: int, gen_length: int, block_length: int, kind: str, rows: Optional[float],
+              batch: int = 1) -> dict:
+    G, cfg, cc = _projection_model(slot, gen_length, block_length, batch)
     return G.roofline(kind, cfg, cc, rows)
 
 
-def h200_projection(decoder: str, cache: str, mix: dict, slot: int, gen_length: int, block_length: int
-                    ) -> dict[str, Any]:
-    """Projected seconds of one H200 running a forward mix at LLaDA-8B shapes (bf16, batch 1, prompt slot
-    ``slot``, gen / block length as measured). A MODEL: each forward costs its roofline time
+#: the batch of the projection's second column (a busy server's batch)
+PROJECTION_BATCH = 32
+
+
+def h200_projection(decoder: str, cache: str, mix: dict, slot: int, gen_length: int, block_length: int,
+                    batch: int = 1) -> dict[str, Any]:
+    """Projected seconds of one H200 running a forward mix at LLaDA-8B shapes (bf16, prompt slot ``slot``,
+    gen / block length as measured). A MODEL: each forward costs its roofline time
     (:func:`bench.gpu_check.roofline`: ``max(bytes_model / 4.8 TB/s, matmul FLOPs / 989 TFLOP/s)``), nothing
     for dispatch, sampling or kernels below the roofline.
+
+    ``batch`` > 1: the instance's forwards run inside batches of that many rows packed with forwards of the
+    same kind, each costing its share (1 / batch) of a batch forward: the weights are read once per batch,
+    so the FLOPs count where batch 1 is bound by bytes. A refresh step computes the row's own width (a
+    batch computes the width of its row with the most, and its rows wait for the slowest): an optimistic
+    bound for a busy server.
 
     ``mix``: ``full``, ``windowed``, ``step`` (counts) and ``refresh_rows`` (one entry per refresh step: window
     rows computed per layer). Kinds: Fast-dLLM / LLaDA full passes ``full``, their cached steps ``dual_step`` /
     ``prefix_step``; Polestar's full / windowed block starts ``polestar_start`` / ``polestar_windowed_start``,
     its steps ``polestar_step`` and ``polestar_refresh_step`` at the rows each computed."""
-    cost = lambda kind, rows=None: _roofline(slot, gen_length, block_length, kind, rows)["seconds"]
+    cost = lambda kind, rows=None: _roofline(slot, gen_length, block_length, kind, rows, batch)["seconds"] / batch
     if decoder == "polestar":
         kinds = {"full": "polestar_start", "windowed": "polestar_windowed_start", "step": "polestar_step"}
     else:
@@ -408,7 +418,8 @@ def h200_projection(decoder: str, cache: str, mix: dict, slot: int, gen_length: 
 
 
 def _row(d: Decoder, task: str, idx: Sequence[int], res: dict, seconds: float, flops_by: Optional[dict],
-         n_blocks: int, gen_length: int, proj_s: Optional[Sequence[float]]) -> dict[str, Any]:
+         n_blocks: int, gen_length: int, proj_s: Optional[Sequence[float]],
+         proj_b: Optional[Sequence[float]] = None) -> dict[str, Any]:
     sel = lambda key: [res[key][i] for i in idx] if res[key] else []
     n = len(idx)
     nfe, non_eos = sum(sel("nfe")), sum(sel("non_eos"))
@@ -444,6 +455,9 @@ def _row(d: Decoder, task: str, idx: Sequence[int], res: dict, seconds: float, f
         sec = sum(proj_s[i] for i in idx)
         row["tps_h200_projection"] = non_eos / sec if sec > 0 else 0.0
         row["h200_projection_ms_per_instance"] = 1e3 * sec / n
+    if proj_b is not None:
+        sec = sum(proj_b[i] for i in idx)
+        row[f"tps_h200_projection_b{PROJECTION_BATCH}"] = non_eos / sec if sec > 0 else 0.0
     return row
 
 
@@ -530,19 +544,20 @@ def run(rc: RunConfig, out_dir: Optional[str] = DEFAULT_OUT, command: str = "", 
     for d in decoders:
         res = results[d.name]
         seconds = statistics.median(runs[d.name])
-        proj = None
+        proj = proj_b = None
         if rc.projection:
-            proj = [h200_projection(d.decoder, d.cache, {k: res[k][i] for k in ("full", "windowed", "step",
-                                                                                   "refresh_rows")},
-                                    slot, gen_length, block_length)["seconds"] for i in range(len(items))]
+            mixes = [{k: res[k][i] for k in ("full", "windowed", "step", "refresh_rows")} for i in range(len(items))]
+            proj = [h200_projection(d.decoder, d.cache, m, slot, gen_length, block_length)["seconds"] for m in mixes]
+            proj_b = [h200_projection(d.decoder, d.cache, m, slot, gen_length, block_length,
+                                      PROJECTION_BATCH)["seconds"] for m in mixes]
         all_idx = list(range(len(items)))
         # tokens/s is a property of the whole decode loop (tasks are mixed in a batch): every row of a
         # decoder reports the decoder's overall tokens/s; accuracy / TPF / NFE / projection are per task
-        overall = _row(d, "all", all_idx, res, seconds, flops_by, n_blocks, gen_length, proj)
+        overall = _row(d, "all", all_idx, res, seconds, flops_by, n_blocks, gen_length, proj, proj_b)
         drows = []
         for task in rc.tasks:
             idx = [i for i, it in enumerate(items) if it[0] == task]
-            r = _row(d, task, idx, res, seconds, flops_by, n_blocks, gen_length, proj)
+            r = _row(d, task, idx, res, seconds, flops_by, n_blocks, gen_length, proj, proj_b)
             r["tps"] = overall["tps"]
             drows.append(r)
         overall["accuracy"] = float(np.mean([r["accuracy"] for r in drows]))
@@ -634,7 +649,9 @@ def _notes(rc: RunConfig) -> list[str]:
         "tps_h200_projection: a MODEL, not a measurement: non-EOS tokens / the projected seconds of one H200 "
         "(bf16, batch 1, LLaDA-8B shapes from tests/data/llada8b_config.json, this run's layout) running each "
         "instance's forwards at max(bytes / 4.8 TB/s, FLOPs / 989 TFLOP/s) per forward (bench.gpu_check "
-        "bytes_model + matmul-formula FLOPs); per task.",
+        "bytes_model + matmul-formula FLOPs); per task. tps_h200_projection_b32: the same at batch 32 (each "
+        "forward a 32nd of a batch-32 forward of its kind: weights read once per batch, so FLOPs count; "
+        "optimistic: perfect packing, each refresh at its row's own width).",
         "gflops_per_token: FLOPs of the forwards run / generated positions, per forward kind from "
         + ("XLA cost analysis of one compiled forward" if rc.flops else "the matmul formula")
         + " (windowed passes counted as full passes).",
@@ -759,12 +776,15 @@ def markdown(result: dict) -> str:
         "`tokens/s` is measured on this machine (unsuffixed rows: median of "
         f"{cfg.get('repeats', 1)} decodes); `H200 tokens/s (projection)` is a MODEL: LLaDA-8B shapes, bf16, "
         "batch 1, each forward this decoder ran here at its roofline cost (max(bytes / 4.8 TB/s, FLOPs / "
-        "989 TFLOP/s), bench.gpu_check's byte and FLOP models) -- not a measurement.",
+        "989 TFLOP/s), bench.gpu_check's byte and FLOP models) -- not a measurement. The batch-"
+        f"{PROJECTION_BATCH} column prices each forward as a {PROJECTION_BATCH}th of a batch forward of its kind "
+        "(weights read once per batch, so FLOPs count; optimistic: perfect packing, refresh at the row's own width).",
         "",
-        "| decoder | threshold | accuracy | TPF | tokens/s | speed-up | H200 tokens/s (projection) | NFE | "
+        "| decoder | threshold | accuracy | TPF | tokens/s | speed-up | H200 tokens/s (projection) | "
+        f"H200 tokens/s, batch {PROJECTION_BATCH} (projection) | NFE | "
         "full / windowed / step / refresh forwards | refresh rows | GFLOP/token | refresh rate | early | suffix | "
         "compile s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n in names:
         r = overall[n]
@@ -773,7 +793,8 @@ def markdown(result: dict) -> str:
                                                           "forwards_refresh"))
         lines.append(
             f"| {n} | {_fmt(r.get('threshold'), 'g')} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | "
-            f"{r['tps']:.1f} | {_x(speed)} | {_fmt(r.get('tps_h200_projection'), '.1f')} | {r['nfe']:.2f} | "
+            f"{r['tps']:.1f} | {_x(speed)} | {_fmt(r.get('tps_h200_projection'), '.1f')} | "
+            f"{_fmt(r.get(f'tps_h200_projection_b{PROJECTION_BATCH}'), '.0f')} | {r['nfe']:.2f} | "
             f"{mix} | {_fmt(r.get('refresh_rows_computed'), '.1f')} | {_fmt(r.get('gflops_per_token'), '.4f')} | "
             f"{_fmt(r.get('refresh_rate'))} | {_fmt(r.get('early_commits'))} | {_fmt(r.get('suffix_commits'))} | "
             f"{r['compile_seconds']:.1f} |")

@@ -146,7 +146,7 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
     import jax.numpy as jnp
 
     from polestar_jax import model
-    from polestar_jax.engine import Engine
+    from polestar_jax.engine import Engine, prompt_slot
     engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
 
     data = _read_json(os.path.join(folder, "cases.json"))
@@ -178,8 +178,7 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
     gen_cases = data.get("generate_cases", [])
     slot = None
     if gen_cases:
-        longest = max(len(c["prompt_ids"]) for c in gen_cases)
-        slot = -(-longest // pad_multiple) * pad_multiple
+        slot = prompt_slot([len(c["prompt_ids"]) for c in gen_cases], pad_multiple)
     runnable = []
     for case in gen_cases:
         name = case.get("name", "?")
@@ -291,7 +290,7 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
     import jax.numpy as jnp
 
     from polestar_jax.config import DecodeConfig, PolestarConfig
-    from polestar_jax.engine import Engine
+    from polestar_jax.engine import Engine, prompt_slot
     engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
     from polestar_jax.replay import build_replay
 
@@ -310,7 +309,7 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
             traces = _read_json(os.path.join(folder, "traces", stem + ".trace.json"))["traces"]
         else:
             dcfg = decode_config_for_method(method, gen, block, steps)
-        slot = -(-max(len(c["prompt_ids"]) for c in cases) // pad_multiple) * pad_multiple
+        slot = prompt_slot([len(c["prompt_ids"]) for c in cases], pad_multiple)
         for c0 in range(0, len(cases), batch):
             chunk = list(enumerate(cases))[c0:c0 + batch]
             names = [f"{stem}/case{i}" for i, _ in chunk]
@@ -408,7 +407,7 @@ def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
     at a time."""
     import jax.numpy as jnp
 
-    from polestar_jax.engine import Engine
+    from polestar_jax.engine import Engine, prompt_slot
     engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
 
     data = _read_json(os.path.join(folder, "cases.json"))
@@ -449,7 +448,7 @@ def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
     gen_cases = data.get("generate_cases", [])
     slot = None
     if gen_cases:
-        slot = -(-max(len(c["prompt_ids"]) for c in gen_cases) // pad_multiple) * pad_multiple
+        slot = prompt_slot([len(c["prompt_ids"]) for c in gen_cases], pad_multiple)
     groups: dict = {}
     for case in gen_cases:
         try:

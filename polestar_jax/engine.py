@@ -181,6 +181,13 @@ def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: Dec
             raise PolestarError(f"prompt {r} has token ids outside [0, {mcfg.embedding_size})")
 
 
+def prompt_slot(lengths: Sequence[int], multiple: int = PAD_MULTIPLE) -> int:
+    """The prompt slot of prompts of these lengths: the longest rounded up to ``multiple`` (prompts are
+    left-padded to it, so prompts of one length bucket share one executable)."""
+    longest = max(int(n) for n in lengths)
+    return -(-longest // multiple) * multiple
+
+
 def batch_bucket(n: int, limit: Optional[int] = None) -> int:
     """The batch a fixed batch of ``n`` prompts compiles for: the smallest power of two that holds them,
     at most ``limit`` (a job's batch size) when that holds them, so that jobs of nearby sizes share one
@@ -356,9 +363,8 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- bucketing
     def prompt_slot(self, lengths: Sequence[int], multiple: int = PAD_MULTIPLE) -> int:
-        """The prompt slot of prompts of these lengths: the longest rounded up to ``multiple``."""
-        longest = max(int(n) for n in lengths)
-        return -(-longest // multiple) * multiple
+        """The prompt slot of prompts of these lengths (:func:`prompt_slot`)."""
+        return prompt_slot(lengths, multiple)
 
     def check(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig) -> None:
         """:func:`check_prompts` for this model."""

@@ -71,6 +71,7 @@ from lm_eval.api.registry import register_model
 
 from polestar_jax import api
 from polestar_jax.config import DecodeConfig, PolestarConfig
+from polestar_jax.engine import PAD_MULTIPLE, prompt_slot
 from polestar_jax.errors import PolestarError
 
 __all__ = ["MODEL_NAME", "MODEL_ARGS", "PolestarLM", "parse_model_args", "gen_length_for", "apply_until"]
@@ -334,7 +335,7 @@ class PolestarLM(LM):
                     "temperature" not in self.knobs:
                 log.warning("%s asks for sampling; polestar-jax decodes with model_args temperature (default "
                             "0, greedy)", req.task_name)
-            slot = self.own["pad_multiple"] * math.ceil(len(ids) / self.own["pad_multiple"])
+            slot = prompt_slot([len(ids)], self.own["pad_multiple"])
             groups[(req.task_name, G, slot)].append(i)
             prompts.append(ids)
             gens.append(gen_kwargs)
@@ -479,7 +480,7 @@ class PolestarLM(LM):
 
     def _arrays(self, prefix: Sequence[int], target: Sequence[int], copies: int):
         n = len(prefix) + len(target)
-        L = 16 * math.ceil(n / 16)
+        L = prompt_slot([n], PAD_MULTIPLE)  # (the scored sequence, bucketed as a prompt is)
         ids = np.full((copies, L), self.model.config.pad_token_id, np.int32)
         ids[:, :n] = np.asarray(list(prefix) + list(target), np.int32)
         valid = np.zeros((copies, L), bool)

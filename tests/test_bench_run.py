@@ -60,6 +60,7 @@ def test_bench_run_smoke(tmp_path, capsys):
             assert key in r, key
         assert 0.0 <= r["accuracy"] <= 1.0 and r["tps"] >= 0 and r["gflops_per_token"] > 0
         assert r["tps_h200_projection"] > 0 and r["h200_projection_ms_per_instance"] > 0
+        assert r["tps_h200_projection_b32"] > r["tps_h200_projection"]  # batching amortises the weights
         assert r["n"] == (SMOKE_N * len(SMOKE_TASKS) if r["task"] == "all" else SMOKE_N)
         mix = r["forwards_full"] + r["forwards_windowed"] + r["forwards_step"] + r["forwards_refresh"]
         assert mix == pytest.approx(r["nfe"]), r  # every forward has a kind
@@ -239,6 +240,16 @@ def test_h200_projection_model():
     f = BR.h200_projection("fastdllm", "none", {"full": 5, "windowed": 0, "step": 0, "refresh_rows": []},
                            slot, gen, block)
     assert f["seconds"] == pytest.approx(5 * cost("full"))
+    # batch 32: each forward is a 32nd of a batch forward of its kind; the weights are read once per batch,
+    # so a row's share is cheaper, and the refresh rows' FLOPs weigh more than at batch 1
+    b32 = BR.h200_projection("polestar", "dual", mix, slot, gen, block, batch=32)
+    cost32 = lambda kind, rows=None: BR._roofline(slot, gen, block, kind, rows, 32)["seconds"] / 32
+    assert b32["seconds"] == pytest.approx(3 * cost32("polestar_start") + cost32("polestar_windowed_start")
+                                           + 2 * cost32("polestar_step") + cost32("polestar_refresh_step", 8.0)
+                                           + cost32("polestar_refresh_step", 16.0))
+    assert b32["seconds"] < p["seconds"]
+    share = lambda q: q["seconds_by_kind"]["refresh"] / q["seconds_by_kind"]["step"]
+    assert share(b32) > share(p)  # refresh rows stop being free where the batch is compute-bound
 
 
 def test_gpu_check_times_next_to_the_projection(tmp_path):

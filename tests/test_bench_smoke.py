@@ -74,3 +74,24 @@ def test_bench_dream_rows_tiny(tmp_path):
     assert sched and all(r["nfe"] == TINY.steps for r in sched)  # the schedule fills a block at its last step
     assert all("refresh_steps" in r for r in rows if r["decoder"] == "polestar")
     assert "dream-polestar" in B.markdown(data) and "(dream)" in B.markdown(data)
+
+
+def test_bench_engine_mixed_job_smoke(tmp_path):
+    """``bench.bench_engine`` on a tiny mixed job (Fast-dLLM dual cache, batch 4): the three modes decode the
+    same answers, the long instances are spread through the job, and the continuous job's TPF is at least
+    the fixed batches' (early exit never adds a forward)."""
+    from bench import bench_engine as BE
+    from bench import tasks as T
+
+    items = [(t, p, a) for t in ("copy", "sort") for p, a in T.eval_instances(t, 3)]
+    mixed = BE.mixed_items(items, 2)
+    longs = [i for i, it in enumerate(mixed) if it[1].count(",") == 8]
+    assert len(mixed) == 8 and len(longs) == 2 and longs[0] > 0 and longs[1] > longs[0] + 1
+    out = tmp_path / "be.json"
+    assert BE.main(["--tasks", "copy,sort", "--n", "3", "--mixed", "2", "--batch", "4", "--lockstep-early-exit",
+                    "--decoders", "fastdllm-dual-checked", "--out", str(out)]) == 0
+    r = json.load(open(out))["decoders"]["fastdllm-dual-checked"]
+    assert r["answers_differing"] == 0
+    assert {"fixed", "lockstep_early_exit", "continuous"} <= set(r)
+    assert r["continuous"]["tpf"] >= r["fixed"]["tpf"] and r["lockstep_early_exit"]["nfe"] <= r["fixed"]["nfe"]
+    assert r["continuous"]["non_eos_tokens"] == r["fixed"]["non_eos_tokens"]
