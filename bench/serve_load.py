@@ -11,6 +11,7 @@ server's resident memory before and after. The server and the fixed batches neve
 
     python -m bench.serve_load --decoder polestar --concurrency 1,8,32 --n 144
     python -m bench.serve_load --model polestar_jax/assets/tiny_long --tasks long --max-batch 32
+    python -m bench.serve_load --concurrency 32 --fixed-batches 32 --in-process 32   # + the scheduler alone
 """
 from __future__ import annotations
 
@@ -105,6 +106,53 @@ def run_clients(base: str, name: str, messages: list[str], concurrency: int) -> 
             "latency": percentiles(lat), "time_to_first_block": percentiles(ttfb)}
 
 
+def scheduler_clients(model_dir: Optional[str], decoder: str, messages: list[str], concurrency: int,
+                      max_batch: int, prompt_tokens: int) -> dict:
+    """The server's engine and scheduler without HTTP, in this process: the same closed loop of streaming
+    jobs (``concurrency`` client threads submitting to a :class:`polestar_jax.scheduler.Scheduler` on the
+    sampling program, as the server runs), so the HTTP layer's share of the server's seconds shows."""
+    from polestar_jax.api import load
+    from polestar_jax.scheduler import Job, Scheduler
+
+    m = load(model_dir)
+    dcfg = m.decode_config(decoder=decoder)
+    sched = Scheduler(m.engine, dcfg, max_batch, prompt_tokens, max_queue=2 * concurrency).start()
+    todo, lock, lat, tokens = list(range(len(messages))), threading.Lock(), [], []
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            done, out = threading.Event(), {}
+
+            def on_event(ev, out=out, done=done):
+                if ev.kind in ("done", "error"):
+                    out["ev"] = ev
+                    done.set()
+
+            t0 = time.perf_counter()
+            sched.submit(Job(prompt=m.prompt_ids(messages[i]), gen_length=dcfg.gen_length, on_event=on_event,
+                             stream=True))
+            done.wait()
+            with lock:
+                lat.append(time.perf_counter() - t0)
+                tokens.append(len(out["ev"].completion.response_ids) if out["ev"].completion else 0)
+
+    try:
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(concurrency) as ex:
+            for f in [ex.submit(client) for _ in range(concurrency)]:
+                f.result()
+        wall = time.perf_counter() - t0
+    finally:
+        sched.stop()
+    return {"concurrency": concurrency, "requests": len(lat), "completion_tokens": int(sum(tokens)),
+            "seconds": wall, "tokens_per_s": sum(tokens) / wall, "requests_per_s": len(lat) / wall,
+            "latency": percentiles(lat), "blocks_run": sched.blocks_run}
+
+
 def fixed_batches(model_dir: Optional[str], decoder: str, messages: list[str], batch: int) -> dict:
     """Today's lockstep fixed batches in this process: consecutive chunks of ``batch`` prompts, every block
     of every row; all requests submitted at time 0 (a request's latency: its batch's end)."""
@@ -141,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=32, help="the server's rows")
     ap.add_argument("--fixed-batches", default="1,32,72", help="fixed batch sizes to compare (1: one at a time)")
     ap.add_argument("--memory-requests", type=int, default=0, help="extra requests for the memory check (0: none)")
+    ap.add_argument("--in-process", default="", help="concurrency levels to run on the scheduler without HTTP, "
+                                                     "in this process (e.g. 32)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "serve_load.json"))
     args = ap.parse_args(argv)
     names = TASK_GROUPS.get(args.tasks, tuple(args.tasks.split(",")))
@@ -181,8 +231,16 @@ def main(argv=None) -> int:
         result["fixed"].append(r)
         print(f"[fixed b={b}] {r['tokens_per_s']:.1f} tok/s, p99 {r['latency']['p99']:.2f}s", file=sys.stderr,
               flush=True)
+    result["in_process"] = []
+    for c in [int(x) for x in args.in_process.split(",") if x.strip()]:
+        r = scheduler_clients(args.model or None, args.decoder, messages, c, args.max_batch, slot)
+        result["in_process"].append(r)
+        print(f"[scheduler without HTTP c={c}] {r['tokens_per_s']:.1f} tok/s, p99 {r['latency']['p99']:.2f}s",
+              file=sys.stderr, flush=True)
     result["load_after"] = _loadavg()
     best = max(result["fixed"], key=lambda r: r["tokens_per_s"])
+    for r in result["in_process"]:
+        r["vs_best_fixed_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
     for r in result["server"]:
         r["vs_best_fixed_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
         r["p99_vs_best_fixed"] = r["latency"]["p99"] / best["latency"]["p99"]
