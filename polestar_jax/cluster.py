@@ -47,21 +47,6 @@ def _normalize(x: jax.Array) -> jax.Array:
     return xf / jnp.maximum(jnp.linalg.norm(xf, axis=-1, keepdims=True), NORM_EPS)
 
 
-#: Relative tolerance under which two cosine similarities of a point count as tied in the k-means
-#: assignment (as the cluster scores' ``polestar_step.SCORE_TIE_RTOL``).
-ASSIGN_TIE_RTOL = 2.0 ** -12
-
-
-def first_near_max(sim: jax.Array, rtol: float = ASSIGN_TIE_RTOL) -> jax.Array:
-    """[W] int32: per row of ``sim`` [W, k], the lowest index whose value is within ``rtol`` (relative) of the
-    row's maximum. Similarities that are equal in exact arithmetic (identical points, identical centroids)
-    differ by float noise that depends on how XLA blocks the matmul for a batch size; within the tolerance
-    they tie, and the lowest index wins wherever the row is decoded."""
-    top = jnp.max(sim, axis=-1, keepdims=True)
-    near = sim >= top - rtol * jnp.maximum(jnp.abs(top), 1e-30)
-    return jnp.argmax(near, axis=-1).astype(jnp.int32)
-
-
 def kmeans(x: jax.Array, n: jax.Array, k: jax.Array, draws: KMeansDraws, iters: int
            ) -> tuple[jax.Array, jax.Array]:
     """k-means of the first ``n`` rows of ``x`` [W, D] into ``k`` (<= k_max) clusters.
@@ -86,7 +71,7 @@ def kmeans(x: jax.Array, n: jax.Array, k: jax.Array, draws: KMeansDraws, iters: 
         c, ptr, _ = carry
         sim = xn @ _normalize(c).T  # [W, k_max]
         sim = jnp.where(cl_valid[None, :], sim, -jnp.inf)
-        labels = jnp.where(draws.forced, draws.labels[it], first_near_max(sim))
+        labels = jnp.where(draws.forced, draws.labels[it], jnp.argmax(sim, axis=-1).astype(jnp.int32))
         onehot = ((labels[:, None] == cl[None, :]) & row_valid[:, None]).astype(jnp.float32)
         counts = jnp.sum(onehot, axis=0)
         new = (onehot.T @ xf) / (counts + COUNT_EPS)[:, None]
