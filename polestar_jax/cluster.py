@@ -6,7 +6,8 @@ are clustered separately with k-means; the ``n_clusters`` budget is split betwee
 take indices ``[0, n_pre)`` and suffix clusters ``[n_pre, n_pre + n_post)``; unused slots up to
 ``n_clusters`` are invalid.
 
-k-means (as the PyTorch code): cosine assignment (argmax of normalised dot products, first maximum),
+k-means (as the PyTorch code): cosine assignment (argmax of normalised dot products, first maximum, with
+similarities within a rounding tolerance of the maximum tied: :func:`first_near_max`),
 raw means as centroids (``sum / (count + 1e-6)``), an empty cluster is re-seeded with a random point of
 the window (one draw vector per iteration that has an empty cluster, consumed in order), and a window
 with ``n <= k`` points uses the points themselves, tiled. Every random draw is an input
@@ -47,14 +48,32 @@ def _normalize(x: jax.Array) -> jax.Array:
     return xf / jnp.maximum(jnp.linalg.norm(xf, axis=-1, keepdims=True), NORM_EPS)
 
 
+#: Absolute tolerance, per square root of the feature width, under which two cosine similarities of a point
+#: count as tied in the k-means assignment ([D32]): 2^-22 * sqrt(D), about 2e-6 at D = 64 and 1.5e-5 at
+#: D = 4096: twice the typical rounding (2^-23 * sqrt(D)) of a D-term float32 dot product of unit vectors,
+#: which is what a different blocking of the matmul changes (one ulp in the case that found it).
+ASSIGN_TIE_ATOL_PER_SQRT_D = 2.0 ** -22
+
+
+def first_near_max(sim: jax.Array, atol: float) -> jax.Array:
+    """[W] int32: per row of ``sim`` [W, k], the lowest index whose value is within ``atol`` of the row's
+    maximum. Similarities that are equal in exact arithmetic (a point against two centroids that are
+    proportional, e.g. the means of different numbers of one repeated token's identical rows) differ by
+    float rounding that depends on how XLA blocks the matmul for a batch size; within the tolerance they
+    tie, and the lowest index wins, as exact arithmetic's first maximum would, wherever the row is decoded."""
+    top = jnp.max(sim, axis=-1, keepdims=True)
+    return jnp.argmax(sim >= top - atol, axis=-1).astype(jnp.int32)
+
+
 def kmeans(x: jax.Array, n: jax.Array, k: jax.Array, draws: KMeansDraws, iters: int
            ) -> tuple[jax.Array, jax.Array]:
     """k-means of the first ``n`` rows of ``x`` [W, D] into ``k`` (<= k_max) clusters.
 
     Returns centroids [k_max, D] (in ``x.dtype``; rows >= k are zero) and labels [W] int32 (-1 for rows >= n).
     """
-    w, _ = x.shape
+    w, d = x.shape
     k_max = draws.init.shape[0]
+    atol = ASSIGN_TIE_ATOL_PER_SQRT_D * float(d) ** 0.5
     rows = jnp.arange(w)
     row_valid = rows < n
     cl = jnp.arange(k_max)
@@ -71,7 +90,7 @@ def kmeans(x: jax.Array, n: jax.Array, k: jax.Array, draws: KMeansDraws, iters: 
         c, ptr, _ = carry
         sim = xn @ _normalize(c).T  # [W, k_max]
         sim = jnp.where(cl_valid[None, :], sim, -jnp.inf)
-        labels = jnp.where(draws.forced, draws.labels[it], jnp.argmax(sim, axis=-1).astype(jnp.int32))
+        labels = jnp.where(draws.forced, draws.labels[it], first_near_max(sim, atol))
         onehot = ((labels[:, None] == cl[None, :]) & row_valid[:, None]).astype(jnp.float32)
         counts = jnp.sum(onehot, axis=0)
         new = (onehot.T @ xf) / (counts + COUNT_EPS)[:, None]

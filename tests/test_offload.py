@@ -129,12 +129,27 @@ def test_refresh_patches_only_selected_rows(tiny_p, started):
         if mode == "int8" and OF.host_memory_available():
             assert out.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
     np.testing.assert_array_equal(np.asarray(outs["none"].selected), np.asarray(outs["int8"].selected))
-    exact = np.asarray(outs["none"].hs)
+    # The int8 step is the exact step applied to what the int8 store holds, up to the rounding of what it
+    # writes: run the exact store's step on a store holding the int8 store's decoded rows; every row of the
+    # int8 result then lies within half a quantisation step of that reference (a patched row's error does
+    # not compound through the layers it was recomputed through).
+    int8 = PolestarConfig(offload_hidden="int8")
+    st8 = started["int8"].polestar
+    held = OF.decode(jnp.asarray(np.asarray(st8.hs)), jnp.asarray(np.asarray(st8.hs_scale)), int8, jnp.float32)
+    st_ref = started["none"].replace(polestar=started["none"].polestar.replace(hs=held))
+    pc0 = PolestarConfig(offload_hidden="none")
+    cs = st_ref.x.shape[1] - GEN + BLOCK
+    ref = jax.jit(lambda p, s: PSS.step_forward(p, s, PSt.geometry(s, jnp.int32(cs), BLOCK, pc0), cfg, pc0,
+                                                BLOCK, True, rows, None))(params, st_ref)
+    np.testing.assert_array_equal(np.asarray(ref.selected), np.asarray(outs["int8"].selected))
+    want = np.asarray(ref.hs)
     back = np.asarray(OF.decode(jnp.asarray(np.asarray(outs["int8"].hs)),
-                                jnp.asarray(np.asarray(outs["int8"].hs_scale)),
-                                PolestarConfig(offload_hidden="int8"), jnp.float32))
-    scale = np.abs(exact).max(-1, keepdims=True)
-    assert (np.abs(back - exact) <= 0.05 * scale + 1e-6).all()
+                                jnp.asarray(np.asarray(outs["int8"].hs_scale)), int8, jnp.float32))
+    half_step = np.abs(want).max(-1, keepdims=True) / 254
+    assert (np.abs(back - want) <= half_step * (1 + 1e-4) + 1e-6).all()
+    # and the int8 store stays near the exact one (a loose sanity bound; the tight check is the one above)
+    exact = np.asarray(outs["none"].hs)
+    assert (np.abs(back - exact) <= 0.25 * np.abs(exact).max(-1, keepdims=True) + 1e-6).all()
 
 
 def test_generate_with_offload(tiny_p):

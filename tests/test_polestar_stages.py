@@ -525,3 +525,25 @@ def test_refresh_capacity_never_truncates(ctx, step_state, mode):
     # layer 0 is never patched
     np.testing.assert_array_equal(o.hs[0, 0], hs_in[0])
     assert not np.any((o.k[0, 0] != k_in[0])[:, ~blk])
+
+
+def test_kmeans_assignment_ties_within_tolerance():
+    """The k-means assignment (D32): similarities within ``atol`` of a row's maximum tie and the lowest cluster
+    wins; a real gap still decides; invalid (-inf) clusters never win. And a whole k-means run whose points
+    differ only by float noise labels them as the exact points do (its seeds include two copies of one point,
+    so every iteration meets exact ties)."""
+    sim = jnp.array([[0.5, 0.5 + 1e-6, 0.1, -jnp.inf],       # noise-level lead of cluster 1: tie, 0 wins
+                     [0.5, 0.5 + 1e-3, 0.1, -jnp.inf],       # a real lead: cluster 1
+                     [-jnp.inf, 0.3, 0.3 + 1e-7, 0.2],        # cluster 0 invalid; 1 and 2 tie: 1
+                     [0.2, 0.1, 0.9, 0.9]])                   # exact tie: the lower index
+    assert C.first_near_max(sim, 1e-5).tolist() == [0, 1, 1, 2]
+    assert C.first_near_max(sim, 0.0).tolist() == [1, 1, 2, 2]  # no tolerance: the plain first maximum
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((4, 16)).astype(np.float32)
+    x = np.repeat(base, 3, axis=0)  # 12 points, each of 4 distinct rows three times (identical rows)
+    noisy = x * (1 + 1e-7 * rng.standard_normal(x.shape).astype(np.float32))
+    draws = C.KMeansDraws(init=jnp.array([0, 1, 3, 4], jnp.int32), reseed=jnp.zeros((3, 4), jnp.int32),
+                          labels=jnp.zeros((3, 12), jnp.int32), forced=jnp.bool_(False))
+    _, want = C.kmeans(jnp.asarray(x), jnp.int32(12), jnp.int32(4), draws, 3)
+    _, got = C.kmeans(jnp.asarray(noisy), jnp.int32(12), jnp.int32(4), draws, 3)
+    assert got.tolist() == want.tolist()
