@@ -16,6 +16,8 @@ per-block NFE. The policies live in :mod:`polestar_jax.samplers` (LLaDA, Fast-dL
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -79,13 +81,131 @@ def row_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec
         return s, policy.empty_stats(ctx, bound)
 
     new, stats = lax.cond(batch_any(live), run, skip, state)
-    new = select_rows(live, new, state)
-    stop = state.stop
-    if spec.stop_ids:  # early exit: a finished block never changes, and the response ends at its first stop token
-        blk = ctx.rows(new.x)
+    return _end_block(spec, ctx.cs, live, new, state), stats
+
+
+def _end_block(spec: EngineSpec, cs, live, new: DecodeState, old: DecodeState) -> DecodeState:
+    """After a block: rows that were not live keep ``old``; the live rows' block counters advance, and a live
+    row stops when its finished block holds a stop token (early exit: a finished block never changes, and the
+    response ends at its first stop token)."""
+    new = select_rows(live, new, old)
+    stop = old.stop
+    if spec.stop_ids:
+        blk = lax.dynamic_slice_in_dim(new.x, cs, spec.block_length, axis=1)
         hit = jnp.any(jnp.isin(blk, jnp.asarray(spec.stop_ids, blk.dtype)), axis=1)
         stop = stop | (live & hit & ~jnp.any(blk == spec.model.mask_token_id, axis=1))
-    return new.replace(block=state.block + live.astype(jnp.int32), stop=stop), stats
+    return new.replace(block=old.block + live.astype(jnp.int32), stop=stop)
+
+
+def compact_width(batch: int, spec: EngineSpec, sharded: bool = False) -> int:
+    """The step chunk of a running batch of ``batch`` rows (:attr:`EngineSpec.compact_rows`): an eighth of
+    the batch, at least 8 rows (a chunk's forward stays wide enough to keep an accelerator's matmul units
+    busy), from 16 rows up; 0 (off) for smaller batches, for a batch sharded over devices (gathering rows
+    would move them between devices) and for an offloaded Polestar store (it lives in host memory, where
+    rows are not gathered)."""
+    if batch < 16 or sharded or (spec.polestar is not None and spec.polestar.offload_hidden != "none"):
+        return 0
+    return max(8, batch // 8)
+
+
+class _RowCtx(NamedTuple):
+    """The per-row arrays of a :class:`BlockCtx`, carried through the compacted step loop ([b] or [b, 1])."""
+
+    block_idx: jax.Array
+    cs: jax.Array
+    n_masked0: jax.Array
+    live: jax.Array
+
+
+def _take(tree, axes, idx):
+    return jax.tree.map(lambda a, ax: a if ax is None else jnp.take(a, idx, axis=ax), tree, axes)
+
+
+def _put(tree, axes, idx, sub):
+    return jax.tree.map(lambda a, ax, v: a if ax is None else a.at[(slice(None),) * ax + (idx,)].set(v),
+                        tree, axes, sub)
+
+
+def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec):
+    """:func:`row_block` for every row of a running batch (``spec.per_row``), with the step loop outside
+    the rows' ``vmap``: each step runs on the rows still active only, gathered in chunks of
+    ``spec.compact_rows`` rows (the active rows first; the last chunk filled with others, which the step
+    leaves unchanged) and scattered back. A row computes what it computes in a full-width step (every
+    per-row value is a function of the row's own state), and the step is compiled once, at the chunk
+    width; a block whose rows need different numbers of forwards stops paying for the finished rows."""
+    policy = policy_for(spec.decoder)
+    b, w = state.x.shape[0], spec.compact_rows
+    st_axes = axes_of(state)
+    s_ax = jax.tree.map(lambda ax: ax.batch, st_axes)
+    r_ax = None if replay is None else jax.tree.map(lambda ax: ax.batch, axes_of(replay))
+    k_ax = jax.tree.map(lambda a: 0 if jnp.ndim(a) else None, knobs)
+    c_ax = _RowCtx(0, 0, 0, 0)
+    rows = lambda f, in_axes, out_axes: jax.vmap(f, in_axes=in_axes, out_axes=out_axes, axis_name=ROWS)
+    old = _split_rows(state, st_axes, b)
+    rep = None if replay is None else _split_rows(replay, axes_of(replay), b)
+
+    def ctx_of(rc: _RowCtx, k, r) -> BlockCtx:
+        return BlockCtx(params, spec, k, r, rc.block_idx, rc.cs, rc.n_masked0, rc.live)
+
+    def begin(s, k, r):
+        live = live_rows(s)
+        ctx = context(params, s, jnp.max(s.block), k, r, spec, live)
+        s = lax.cond(batch_any(live), lambda s: policy.start(ctx, s), lambda s: s, s)
+        return s, _RowCtx(ctx.block_idx, ctx.cs, ctx.n_masked0, live)
+
+    s, rc = rows(begin, (s_ax, k_ax, r_ax), (s_ax, c_ax))(old, knobs, rep)
+    bound = policy.bound(context(params, state, 0, knobs, replay, spec))
+    stats = rows(lambda c, k, r: policy.empty_stats(ctx_of(c, k, r), bound), (c_ax, k_ax, r_ax), 1)(rc, knobs, rep)
+
+    def active(s, i):  # [b, 1]
+        return rows(lambda s, c, k, r: policy.active(ctx_of(c, k, r), s, i) & c.live,
+                    (s_ax, c_ax, k_ax, r_ax), 0)(s, rc, knobs, rep)
+
+    def step(s, c, k, r, a, i):
+        return rows(lambda s, c, k, r, a: policy.step(ctx_of(c, k, r), s, i, a),
+                    (s_ax, c_ax, k_ax, r_ax, 0), (s_ax, 0))(s, c, k, r, a)
+
+    def cond(carry):
+        s, i, _ = carry
+        return jnp.any(active(s, i)) & (i < bound)
+
+    def body(carry):
+        s, i, buf = carry
+        a = active(s, i)
+        n = jnp.sum(a)
+        # the active rows first, then the others; padded to whole chunks with the first rows again (a chunk's
+        # rows stay distinct, and a position at or past n takes part as inactive: the step leaves it as is)
+        order = jnp.argsort(~a[:, 0], stable=True)
+        order = jnp.concatenate([order, order[: -(-b // w) * w - b]])
+
+        def chunk(j, carry):
+            s, st_all = carry
+            idx = lax.dynamic_slice_in_dim(order, j * w, w)
+            on = a[idx] & (j * w + jnp.arange(w) < n)[:, None]
+            sub, st = step(_take(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
+                           None if rep is None else _take(rep, r_ax, idx), on, i)
+            if st is not None:  # (a position that took part as inactive keeps what an earlier chunk recorded)
+                zero = jax.tree.map(lambda _: 0, st)
+                keep = lambda v, old: jnp.where(on.reshape(on.shape + (1,) * (v.ndim - 2)), v, old)
+                st_all = _put(st_all, zero, idx, jax.tree.map(keep, st, _take(st_all, zero, idx)))
+            return _put(s, s_ax, idx, sub), st_all
+
+        st0 = None if buf is None else jax.tree.map(lambda v: jnp.zeros(v.shape[1:], v.dtype), buf)
+        s, st = lax.fori_loop(0, (n + w - 1) // w, chunk, (s, st0))
+        if buf is not None:  # a row that is not active records nothing (as when it decodes alone)
+            st = jax.tree.map(lambda v: jnp.where(a.reshape(a.shape + (1,) * (v.ndim - 2)), v, jnp.zeros_like(v)), st)
+            buf = jax.tree.map(lambda bb, v: bb.at[i].set(v), buf, st)
+        return s, i + 1, buf
+
+    s, _, stats = lax.while_loop(cond, body, (s, jnp.int32(0), stats))
+
+    def end(new, o, c):
+        new = new.replace(block_nfe=new.block_nfe.at[:, c.block_idx].set(new.nfe - o.nfe, mode="drop"))
+        return _end_block(spec, c.cs, c.live, new, o)
+
+    out = rows(end, (s_ax, s_ax, c_ax), s_ax)(s, old, rc)
+    stats = None if stats is None else jax.tree.map(lambda a: a.reshape(a.shape[:1] + (b,) + a.shape[3:]), stats)
+    return _merge_rows(out, st_axes, b), stats
 
 
 def _split_rows(tree, axes_tree, b: int, pc=None):
@@ -116,6 +236,8 @@ def decode_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineS
     if not spec.per_row:  # a batch in lockstep: one program over the whole batch (a shorter compile)
         return row_block(params, state, knobs, replay, spec)
     b = state.x.shape[0]
+    if 0 < spec.compact_rows < b:
+        return _compacted_block(params, state, knobs, replay, spec)
     st_axes, rp_axes = axes_of(state), (None if replay is None else axes_of(replay))
     knob_axes = jax.tree.map(lambda a: 0 if jnp.ndim(a) else None, knobs)
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax.block import EngineSpec, Knobs, decode_block
+from polestar_jax.block import EngineSpec, Knobs, compact_width, decode_block
 from polestar_jax.cache import CompileRecord, cache_hits
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
@@ -341,11 +341,11 @@ class Engine:
         return self._program(key, build, f"the row insertion for batch {state.x.shape[0]}")
 
     def precompile(self, dcfg: DecodeConfig, shapes: Sequence[tuple[int, int]], running: bool = False,
-                   sampling: bool = False) -> list[CompileRecord]:
+                   sampling: bool = False, compact_rows: Optional[int] = None) -> list[CompileRecord]:
         """Compiles ``dcfg``'s programs for each ``(batch, prompt_slot)`` of ``shapes`` now, so that the jobs
         of those shapes start decoding at once (with the persistent cache on, later processes load them).
         ``running``: the programs of a :class:`RunningBatch` of that many slots (a continuous job, the
-        server; ``sampling`` its sampling variant) instead of a fixed batch's (:meth:`run`; :meth:`generate`
+        server; ``sampling`` its sampling variant, ``compact_rows`` its step chunk) instead of a fixed batch's (:meth:`run`; :meth:`generate`
         when the prompts fit, its batch bucketed with :func:`batch_bucket`). Returns the records of the
         programs compiled (none for a shape already held)."""
         n0 = self.compiles
@@ -354,7 +354,7 @@ class Engine:
             if b < 1 or slot < 1:
                 raise PolestarError(f"a shape to compile needs a batch and a prompt slot >= 1, got {b}x{slot}")
             if running:
-                RunningBatch(self, dcfg, b, slot, sampling=sampling)
+                RunningBatch(self, dcfg, b, slot, sampling=sampling, compact_rows=compact_rows)
             else:  # a state of this shape (its values do not matter: the program is keyed by shapes)
                 state = self._state([[self.config.pad_token_id]] * b, dcfg, slot, 0, list(range(b)), None)
                 self.block_program(self.params, state, self.knobs(dcfg), self.spec(dcfg))
@@ -582,14 +582,28 @@ class RunningBatch:
     each sit at their own block. :meth:`insert` puts a prompt into a free slot (between calls: at a block
     boundary), :meth:`step` advances every live row by one block (asynchronously), :meth:`finished`
     returns the rows that are done (reading the small per-row progress arrays from the device) and frees
-    their slots. Knobs (threshold, factor, temperature) may differ per row; nothing recompiles."""
+    their slots. Knobs (threshold, factor, temperature) may differ per row; nothing recompiles.
 
-    def __init__(self, engine: Engine, dcfg: DecodeConfig, size: int, prompt_slot: int, sampling: bool = False):
+    ``compact_rows``: each step of a block runs on the rows still active only, in chunks of this many rows
+    (:func:`polestar_jax.block.compact_width`; None: automatic, an eighth of a batch of 16 rows or more; 0:
+    off). Tokens do not depend on it; a block whose rows need different numbers of forwards costs less."""
+
+    def __init__(self, engine: Engine, dcfg: DecodeConfig, size: int, prompt_slot: int, sampling: bool = False,
+                 compact_rows: Optional[int] = None):
         if size < 1:
             raise PolestarError(f"batch size must be >= 1, got {size}")
         self.engine, self.dcfg, self.size, self.slot = engine, dcfg, int(size), int(prompt_slot)
         self.spec = engine.spec(dcfg)
         self.spec = dataclasses.replace(self.spec, per_row=True)  # rows join and leave at any block boundary
+        sharded = engine.mesh is not None and engine.mesh.shape.get("data", 1) > 1
+        auto = compact_width(self.size, self.spec, sharded)
+        if compact_rows is not None and compact_rows != auto:
+            if compact_rows < 0:
+                raise PolestarError(f"compact_rows must be >= 0, got {compact_rows}")
+            if compact_rows and (sharded or compact_width(1 << 30, self.spec) == 0):
+                raise PolestarError("compacted steps need an unsharded batch and Polestar's store in device memory")
+            auto = int(compact_rows) if compact_rows < self.size else 0
+        self.spec = dataclasses.replace(self.spec, compact_rows=auto)
         if sampling:  # the sampling variant: per-row temperatures, 0 included (x + 0 * noise = x: greedy tokens)
             self.spec = dataclasses.replace(self.spec, stochastic=True)
         self.layout = StateLayout(engine.config, dcfg.num_blocks, dcfg.cache != "none", np.dtype(engine.dtype),

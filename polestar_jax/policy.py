@@ -41,6 +41,9 @@ class EngineSpec:
     schedule_eps: float = 1e-3  # DecodeConfig.schedule_eps
     stop_ids: tuple = ()  # early exit: a row stops after a finished block holding one of these (empty: off)
     per_row: bool = False  # rows at different blocks (a running batch with insertion); False: in lockstep
+    #: per_row only: when at most this many rows are still active in a step, the step runs on them alone,
+    #: gathered into a buffer of this many rows (0: every step runs on every row); see block.compact_width
+    compact_rows: int = 0
 
     @classmethod
     def from_config(cls, mcfg: ModelConfig, dcfg: DecodeConfig, unroll: int | bool = 1,

@@ -89,19 +89,22 @@ class Scheduler:
     metrics:        optional callbacks: ``metrics(name, value)`` for "forwards" (of each finished job), "tokens",
                     "non_eos", "active", "queue",
                     "first_block" (seconds), "latency" (seconds), "outcome" (a string)
+    compact_rows:   the running batch's step chunk (:class:`RunningBatch`; None: automatic)
     """
 
     def __init__(self, engine: Engine, dcfg: DecodeConfig, max_batch: int, prompt_slot: int, max_queue: int = 256,
-                 sampling: bool = True, metrics: Optional[Callable[[str, Any], None]] = None):
+                 sampling: bool = True, metrics: Optional[Callable[[str, Any], None]] = None,
+                 compact_rows: Optional[int] = None):
         if max_queue < 1:
             raise PolestarError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.dcfg = engine, dcfg
         self.max_batch, self.prompt_slot, self.max_queue = int(max_batch), int(prompt_slot), int(max_queue)
-        self.sampling = sampling
+        self.sampling, self.compact_rows = sampling, compact_rows
         self.metrics = metrics or (lambda name, value: None)
         t0 = time.perf_counter()
         # its shape compiled up front (Engine.precompile), then a batch of that shape (no recompile)
-        self.compiled = engine.precompile(dcfg, [(self.max_batch, self.prompt_slot)], running=True, sampling=sampling)
+        self.compiled = engine.precompile(dcfg, [(self.max_batch, self.prompt_slot)], running=True, sampling=sampling,
+                                          compact_rows=compact_rows)
         self.batch = self._new_batch()
         self.compile_seconds = time.perf_counter() - t0
         self._queue: collections.deque[Job] = collections.deque()
@@ -113,7 +116,8 @@ class Scheduler:
         self.blocks_run = 0
 
     def _new_batch(self) -> RunningBatch:
-        return RunningBatch(self.engine, self.dcfg, self.max_batch, self.prompt_slot, sampling=self.sampling)
+        return RunningBatch(self.engine, self.dcfg, self.max_batch, self.prompt_slot, sampling=self.sampling,
+                            compact_rows=self.compact_rows)
 
     # ------------------------------------------------------------------------------------ control
     def start(self) -> "Scheduler":

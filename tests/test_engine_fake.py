@@ -16,7 +16,8 @@ import pytest
 
 from polestar_jax import family as F
 from polestar_jax.config import DecodeConfig, ModelConfig
-from polestar_jax.engine import Engine
+from polestar_jax.block import compact_width
+from polestar_jax.engine import Engine, RunningBatch
 from polestar_jax.model import ForwardOut
 
 V, EOS, MASK, PAD, EOS_AT, B = 16, 1, 15, 0, 14, 4
@@ -117,3 +118,30 @@ def test_continuous_job_keeps_the_batch_full(engine):
         np.testing.assert_array_equal(r.tokens, expected(len(p))[: blocks * B])
     # 7 rows on 3 slots: fewer block calls than 7 rows decoded one batch of 3 after another to the end
     assert job.block_calls < 3 * 4
+
+
+@pytest.mark.parametrize("sampler, per_block", [
+    (dict(decoder="llada", cache="none", threshold=None), 4),
+    (dict(decoder="fastdllm", cache="dual"), 2),
+])
+def test_compacted_steps_count_every_row_once(engine, sampler, per_block):
+    """Steps in chunks of 2 of a 5-row running batch (the last chunk padded with a row that takes part as
+    inactive): every row at its own block gets its tokens and exactly its forwards, as in a full-width step."""
+    dc = DecodeConfig(gen_length=16, block_length=B, steps=16, **sampler)
+    prompts = [[3] * n for n in (3, 11, 5, 9, 2, 12, 4)]
+    batch = RunningBatch(engine, dc, 5, 12, compact_rows=2)
+    assert batch.spec.compact_rows == 2
+    queue, out = list(range(len(prompts))), {}
+    while queue or batch.occupied:
+        while queue and batch.free_slots:
+            i = queue.pop(0)
+            batch.insert(prompts[i], tag=i)
+        batch.step()
+        out.update({r.index: r for r in batch.finished()})
+    for i, p in enumerate(prompts):
+        blocks = (EOS_AT - len(p)) // B + 1
+        np.testing.assert_array_equal(out[i].tokens, expected(len(p))[: blocks * B])
+        assert out[i].nfe == per_block * blocks and list(out[i].block_nfe) == [per_block] * blocks
+    spec = engine.spec(dc)  # automatic: an eighth of the batch, at least 8 rows, from 16 rows up
+    assert [compact_width(n, spec) for n in (4, 15, 16, 72, 128)] == [0, 0, 8, 9, 16]
+    assert compact_width(72, spec, sharded=True) == 0

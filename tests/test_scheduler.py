@@ -1,8 +1,8 @@
 """The server's scheduler (continuous batching at block granularity) without HTTP: exact under load for every
 decoder, streaming by block, stop strings, cancellation, a full queue, a failing step, draining.
 
-Each decoder's scheduler decodes 16 jobs of mixed lengths and seeds on 4 rows (jobs join as rows finish);
-every job's tokens must equal the prompt decoded alone (batch 1, its own prompt slot, a generation region of
+Each decoder's scheduler decodes 16 jobs of mixed lengths and seeds on 4 rows (jobs join as rows finish;
+each step runs on the rows still active, in chunks of 2); every job's tokens must equal the prompt decoded alone (batch 1, its own prompt slot, a generation region of
 its own length). The bundled ``tiny_tasks`` model (gen 32, block 8).
 """
 from __future__ import annotations
@@ -81,7 +81,8 @@ def test_exact_under_load(model, name):
     dcfg = model.decode_config(gen_length=32, **DECODERS[name])
     # (Polestar: half the jobs sample; the server's sampling program with temperature 0 gives greedy tokens)
     temperature = (lambda i: 0.0 if i % 2 else 0.8) if name == "polestar" else None
-    sched = Scheduler(model.engine, dcfg, max_batch=4, prompt_slot=64, max_queue=16).start()
+    # (steps in chunks of 2 rows: the rows still active gathered, as a large batch runs by default)
+    sched = Scheduler(model.engine, dcfg, max_batch=4, prompt_slot=64, max_queue=16, compact_rows=2).start()
     try:
         jobs, events, done = _jobs(model, temperature=temperature)
         for j in jobs:
@@ -207,7 +208,8 @@ def test_dream_family_exact_under_load(name):
 
     dream = load(asset_model_dir("tiny_dream"))
     dcfg = dream.decode_config(gen_length=32, block_length=8, **DECODERS[name])
-    sched = Scheduler(dream.engine, dcfg, max_batch=3, prompt_slot=64, max_queue=8).start()
+    # (steps in chunks of 2 of the 3 rows: the last chunk padded with a row that takes part as inactive)
+    sched = Scheduler(dream.engine, dcfg, max_batch=3, prompt_slot=64, max_queue=8, compact_rows=2).start()
     try:
         jobs, events, done = _jobs(dream, n=8)
         for j in jobs:
