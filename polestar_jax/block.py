@@ -126,13 +126,28 @@ def _put(tree, axes, idx, sub):
                         tree, axes, sub)
 
 
+def _chunked(carry, mask: jax.Array, w: int, fn):
+    """``carry = fn(carry, idx, on)`` over the rows where ``mask`` [b, 1] holds, ``w`` rows at a time:
+    ``idx`` [w] the chunk's rows (the masked rows first, then the others, padded to whole chunks with the
+    first rows again, so a chunk's rows stay distinct), ``on`` [w, 1] whether a position is one of the
+    masked rows (a position at or past their count takes part as inactive: ``fn`` must leave it as is)."""
+    b = mask.shape[0]
+    n = jnp.sum(mask)
+    order = jnp.argsort(~mask[:, 0], stable=True)
+    order = jnp.concatenate([order, order[: -(-b // w) * w - b]])
+
+    def chunk(j, carry):
+        idx = lax.dynamic_slice_in_dim(order, j * w, w)
+        return fn(carry, idx, mask[idx] & (j * w + jnp.arange(w) < n)[:, None])
+
+    return lax.fori_loop(0, (n + w - 1) // w, chunk, carry)
+
+
 def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec):
-    """:func:`row_block` for every row of a running batch (``spec.per_row``), with the step loop outside
-    the rows' ``vmap``: each step runs on the rows still active only, gathered in chunks of
-    ``spec.compact_rows`` rows (the active rows first; the last chunk filled with others, which the step
-    leaves unchanged) and scattered back. A row computes what it computes in a full-width step (every
-    per-row value is a function of the row's own state), and the step is compiled once, at the chunk
-    width; a block whose rows need different numbers of forwards stops paying for the finished rows."""
+    """:func:`row_block` for every row of a running batch (``spec.per_row``), its start on the live rows
+    only and each step on the rows still active only, gathered in chunks of ``spec.compact_rows`` rows
+    (:func:`_chunked`) and scattered back: a row computes what it computes in a full-width call (its values
+    are functions of its own state); free slots cost no block start, and finished rows no step."""
     policy = policy_for(spec.decoder)
     b, w = state.x.shape[0], spec.compact_rows
     st_axes = axes_of(state)
@@ -147,13 +162,21 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     def ctx_of(rc: _RowCtx, k, r) -> BlockCtx:
         return BlockCtx(params, spec, k, r, rc.block_idx, rc.cs, rc.n_masked0, rc.live)
 
-    def begin(s, k, r):
+    def row_ctx(s, k, r):
         live = live_rows(s)
         ctx = context(params, s, jnp.max(s.block), k, r, spec, live)
-        s = lax.cond(batch_any(live), lambda s: policy.start(ctx, s), lambda s: s, s)
-        return s, _RowCtx(ctx.block_idx, ctx.cs, ctx.n_masked0, live)
+        return _RowCtx(ctx.block_idx, ctx.cs, ctx.n_masked0, live)
 
-    s, rc = rows(begin, (s_ax, k_ax, r_ax), (s_ax, c_ax))(old, knobs, rep)
+    rc = rows(row_ctx, (s_ax, k_ax, r_ax), c_ax)(old, knobs, rep)
+
+    def begin(s, c, k, r, on):  # the block start of the rows ``on`` of a chunk; the others as they were
+        ctx = ctx_of(c._replace(live=c.live & on), k, r)
+        new = lax.cond(batch_any(on), lambda s: policy.start(ctx, s), lambda s: s, s)
+        return jax.tree.map(lambda n, o: jnp.where(on.reshape((1,) * n.ndim), n, o), new, s)
+
+    s = _chunked(old, rc.live, w, lambda s, idx, on: _put(s, s_ax, idx, rows(begin, (s_ax, c_ax, k_ax, r_ax, 0), s_ax)(
+        _take(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
+        None if rep is None else _take(rep, r_ax, idx), on)))
     bound = policy.bound(context(params, state, 0, knobs, replay, spec))
     stats = rows(lambda c, k, r: policy.empty_stats(ctx_of(c, k, r), bound), (c_ax, k_ax, r_ax), 1)(rc, knobs, rep)
 
@@ -172,16 +195,9 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     def body(carry):
         s, i, buf = carry
         a = active(s, i)
-        n = jnp.sum(a)
-        # the active rows first, then the others; padded to whole chunks with the first rows again (a chunk's
-        # rows stay distinct, and a position at or past n takes part as inactive: the step leaves it as is)
-        order = jnp.argsort(~a[:, 0], stable=True)
-        order = jnp.concatenate([order, order[: -(-b // w) * w - b]])
 
-        def chunk(j, carry):
+        def chunk(carry, idx, on):
             s, st_all = carry
-            idx = lax.dynamic_slice_in_dim(order, j * w, w)
-            on = a[idx] & (j * w + jnp.arange(w) < n)[:, None]
             sub, st = step(_take(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
                            None if rep is None else _take(rep, r_ax, idx), on, i)
             if st is not None:  # (a position that took part as inactive keeps what an earlier chunk recorded)
@@ -191,7 +207,7 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
             return _put(s, s_ax, idx, sub), st_all
 
         st0 = None if buf is None else jax.tree.map(lambda v: jnp.zeros(v.shape[1:], v.dtype), buf)
-        s, st = lax.fori_loop(0, (n + w - 1) // w, chunk, (s, st0))
+        s, st = _chunked((s, st0), a, w, chunk)
         if buf is not None:  # a row that is not active records nothing (as when it decodes alone)
             st = jax.tree.map(lambda v: jnp.where(a.reshape(a.shape + (1,) * (v.ndim - 2)), v, jnp.zeros_like(v)), st)
             buf = jax.tree.map(lambda bb, v: bb.at[i].set(v), buf, st)

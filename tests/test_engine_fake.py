@@ -125,8 +125,9 @@ def test_continuous_job_keeps_the_batch_full(engine):
     (dict(decoder="fastdllm", cache="dual"), 2),
 ])
 def test_compacted_steps_count_every_row_once(engine, sampler, per_block):
-    """Steps in chunks of 2 of a 5-row running batch (the last chunk padded with a row that takes part as
-    inactive): every row at its own block gets its tokens and exactly its forwards, as in a full-width step."""
+    """Block starts and steps in chunks of 2 of a 5-row running batch (the last chunk padded with a row that
+    takes part as inactive): every row at its own block gets its tokens and exactly its forwards (a start run
+    twice on a row would count a forward more), as in a full-width call."""
     dc = DecodeConfig(gen_length=16, block_length=B, steps=16, **sampler)
     prompts = [[3] * n for n in (3, 11, 5, 9, 2, 12, 4)]
     batch = RunningBatch(engine, dc, 5, 12, compact_rows=2)
