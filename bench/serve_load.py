@@ -6,8 +6,9 @@ answered) at each concurrency level send held-out task prompts (``bench.tasks``)
 in this process as today's fixed batches (``Engine.run`` on consecutive chunks, every block of every row:
 the lockstep loop) and one request at a time. Reported per mode: completion tokens/s (response tokens over
 wall seconds), requests/s, latency p50 / p95 / p99 and time to first block (server: to the first streamed
-block; fixed batches: a request's latency is its batch's end, all requests submitted at time 0), and the
-server's resident memory before and after. The server and the fixed batches never run at the same time.
+block; fixed batches: a request's latency is its batch's end, all requests submitted at time 0), the
+server's block calls and how full they ran (its ``/metrics`` counters), the CPU seconds the clients (this
+process) and the server used, and the server's resident memory before and after. The server and the fixed batches never run at the same time.
 
     python -m bench.serve_load --decoder polestar --concurrency 1,8,32 --n 144
     python -m bench.serve_load --model polestar_jax/assets/tiny_long --tasks long --max-batch 32
@@ -21,6 +22,7 @@ import datetime
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import threading
@@ -43,14 +45,35 @@ def _loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def _cpu_seconds(pid: Optional[int] = None) -> float:
+    """CPU seconds (user + system) of process ``pid`` (None: this one, threads included)."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _counters(base: str) -> dict:
+    """The server's block-call counters (``/metrics``)."""
+    import httpx
+
+    text = httpx.get(base + "/metrics", timeout=30).text
+    get = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+    return {"block_calls": get("polestar_block_calls_total"), "row_blocks": get("polestar_row_blocks_total")}
+
+
 def percentiles(xs) -> dict:
     a = np.asarray(xs, float)
     return {f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)} if a.size else {}
 
 
-def start_server(model: str, decoder: str, max_batch: int, max_queue: int, prompt_tokens: int) -> tuple:
+def start_server(model: str, decoder: str, max_batch: int, max_queue: int, prompt_tokens: int,
+                 extra: tuple = ()) -> tuple:
     cmd = [sys.executable, "-m", "polestar_jax.serve", "--port", "0", "--decoder", decoder, "--max-batch",
-           str(max_batch), "--max-queue", str(max_queue), "--max-prompt-tokens", str(prompt_tokens), "--quiet"]
+           str(max_batch), "--max-queue", str(max_queue), "--max-prompt-tokens", str(prompt_tokens), "--quiet",
+           *extra]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
@@ -213,11 +236,21 @@ def main(argv=None) -> int:
         run_clients(base, name, messages[: min(8, len(messages))], 4)  # warm-up
         rss0 = _rss_kib(proc.pid)
         for c in levels:
+            before, cpu = _counters(base), (_cpu_seconds(), _cpu_seconds(proc.pid))
             r = run_clients(base, name, messages, c)
+            after = _counters(base)
+            calls = after["block_calls"] - before["block_calls"]
+            # how full the running batch ran, and the CPU the clients (this process) and the server used
+            r["block_calls"] = int(calls)
+            r["occupancy"] = (after["row_blocks"] - before["row_blocks"]) / max(1.0, calls) / args.max_batch
+            r["client_cpu_seconds"] = _cpu_seconds() - cpu[0]
+            r["server_cpu_seconds"] = _cpu_seconds(proc.pid) - cpu[1]
             result["server"].append(r)
             print(f"[server c={c}] {r['tokens_per_s']:.1f} tok/s, {r['requests_per_s']:.2f} req/s, "
                   f"p50/p99 {r['latency']['p50']:.2f}/{r['latency']['p99']:.2f}s, ttfb p50 "
-                  f"{r['time_to_first_block']['p50']:.2f}s", file=sys.stderr, flush=True)
+                  f"{r['time_to_first_block']['p50']:.2f}s, {r['block_calls']} block calls "
+                  f"{100 * r['occupancy']:.0f}% full, CPU s clients {r['client_cpu_seconds']:.1f} server "
+                  f"{r['server_cpu_seconds']:.1f} of {r['seconds']:.1f} s", file=sys.stderr, flush=True)
         if args.memory_requests:
             mem = messages * (-(-args.memory_requests // len(messages)))
             run_clients(base, name, mem[: args.memory_requests], 16)

@@ -87,7 +87,7 @@ class Scheduler:
     sampling:       compile the sampling variant (any per-job temperature, 0 included, gives the tokens the
                     greedy or sampling decoder gives alone)
     metrics:        optional callbacks: ``metrics(name, value)`` for "forwards" (of each finished job), "tokens",
-                    "non_eos", "active", "queue",
+                    "non_eos", "active", "queue", "block" (a block call ran; value: the rows it decoded),
                     "first_block" (seconds), "latency" (seconds), "outcome" (a string)
     compact_rows:   the running batch's step chunk (:class:`RunningBatch`; None: automatic)
     """
@@ -216,6 +216,7 @@ class Scheduler:
                     continue
                 self.batch.step()
                 self.blocks_run += 1
+                self.metrics("block", len(self._jobs))
                 self._report()
             except Exception as e:  # noqa: BLE001 - a failed step fails its batch, not the server
                 self._fail_batch(f"{type(e).__name__}: {e}")

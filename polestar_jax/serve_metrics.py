@@ -1,7 +1,8 @@
 """The server's Prometheus metrics (one registry per server, so several servers in one process stay apart).
 
 Requests by outcome (``ok``, ``error``, ``cancelled``, ``bad_request``, ``rejected``), queue length and active
-rows (sampled from the scheduler when scraped), completion tokens, forwards, tokens per forward (non-EOS
+rows (sampled from the scheduler when scraped), block calls and the rows they decoded (their ratio: how full
+the running batch ran), completion tokens, forwards, tokens per forward (non-EOS
 tokens / forwards, as ``bench.run`` counts TPF), and histograms of the time to the first finished block and
 of request latency (submission to the last block).
 """
@@ -28,6 +29,9 @@ class Metrics:
         self.tokens = Counter("polestar_completion_tokens", "Completion tokens returned", registry=r)
         self.non_eos = Counter("polestar_non_eos_tokens", "Generated non-EOS tokens (TPF's numerator)", registry=r)
         self.forwards = Counter("polestar_forwards", "Forwards (NFE) of the finished requests", registry=r)
+        self.blocks = Counter("polestar_block_calls", "Block calls of the running batch", registry=r)
+        self.row_blocks = Counter("polestar_row_blocks", "Rows decoded, summed over the block calls (their mean "
+                                  "over polestar_block_calls_total: the batch's occupancy)", registry=r)
         self.tpf = Gauge("polestar_tokens_per_forward", "Non-EOS tokens / forwards since start", registry=r)
         self.first_block = Histogram("polestar_time_to_first_block_seconds", "Submission to the first finished "
                                      "block", buckets=BUCKETS, registry=r)
@@ -50,6 +54,9 @@ class Metrics:
         elif name == "forwards":
             self._fwd += max(0, int(value))
             self.forwards.inc(max(0, int(value)))
+        elif name == "block":
+            self.blocks.inc()
+            self.row_blocks.inc(value)
         elif name == "first_block":
             self.first_block.observe(value)
         elif name == "latency":

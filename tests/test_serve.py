@@ -172,6 +172,9 @@ def test_disconnect_frees_the_row_and_metrics(server, client):
             break
         time.sleep(0.1)
     assert re.search(r"^polestar_active_rows 0\.0$", m, re.M), m
+    calls = float(re.search(r"^polestar_block_calls_total (\S+)$", m, re.M).group(1))
+    rows = float(re.search(r"^polestar_row_blocks_total (\S+)$", m, re.M).group(1))
+    assert 1 <= calls <= rows <= 4 * calls  # every call decodes 1 to max_batch rows
     for name in ("polestar_requests_total", "polestar_queue_length", "polestar_completion_tokens_total",
                  "polestar_forwards_total", "polestar_tokens_per_forward",
                  "polestar_time_to_first_block_seconds_bucket", "polestar_request_latency_seconds_bucket"):
