@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt in tokens (the prompt slot; default: 128, or what the model's length allows)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="largest max_tokens a request may ask (default: the folder's gen length, else 128)")
+    s.add_argument("--compact-rows", type=int, default=None,
+                   help="a block call's start and steps run on the rows that need them, in chunks of this many "
+                        "(default: an eighth of a batch of 16 or more, at least 8; 0: every row in every call)")
     s.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C, seconds to finish the requests in flight (default: 30)")
     d = ap.add_argument_group("decoding defaults (DecodeConfig; per request: temperature, seed, threshold)")
@@ -88,6 +91,8 @@ def _limits(args, model):
             raise PolestarError(f"{flag} must be >= 1, got {v}")
     if args.drain_seconds < 0:
         raise PolestarError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    if args.compact_rows is not None and args.compact_rows < 0:
+        raise PolestarError(f"--compact-rows must be >= 0, got {args.compact_rows}")
     return ServerLimits(slot, max_tokens, dcfg.block_length), dcfg
 
 
@@ -114,7 +119,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     served = args.served_model_name or os.path.basename(os.path.normpath(model.path))
     t0 = time.perf_counter()
     scheduler = Scheduler(model.engine, dcfg, args.max_batch, limits.max_prompt_tokens, args.max_queue,
-                          sampling=True)
+                          sampling=True, compact_rows=args.compact_rows)
     compile_s = time.perf_counter() - t0
     app = create_app(model, scheduler, limits, served, default_temperature=dcfg.temperature)
 
@@ -134,9 +139,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if server.started:
+            w = scheduler.batch.spec.compact_rows
+            chunks = f" in chunks of {w}" if w else ""
             host, port = server.servers[0].sockets[0].getsockname()[:2]
             print(f"polestar-jax serving '{served}' at http://{host}:{port} (decoder {dcfg.decoder}, batch "
-                  f"{args.max_batch}, prompts <= {limits.max_prompt_tokens} tokens, max_tokens <= "
+                  f"{args.max_batch}{chunks}, prompts <= {limits.max_prompt_tokens} tokens, max_tokens <= "
                   f"{limits.max_tokens}; compiled in {compile_s:.1f}s)", flush=True)
         await task
 

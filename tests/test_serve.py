@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, started for real on 127.0.0.1 with the bundled model, and spoken to with the
 real ``openai`` client (streaming and not, completions and chat) and ``httpx`` (errors, metrics, health);
-the last test stops it with SIGTERM while a request is in flight.
+one test stops it with SIGTERM while a request is in flight. Its running batch runs its block starts and
+steps in chunks of 2 rows (``--compact-rows 2``).
 
 The server decodes with the checked dual cache (``--decoder fastdllm``: a short compile); every decoder's
 exactness under load is tested without HTTP in ``tests/test_scheduler.py``.
@@ -23,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 from polestar_jax.api import load  # noqa: E402
 
-ARGS = ["--decoder", "fastdllm", "--max-batch", "4", "--max-queue", "32", "--max-prompt-tokens", "64"]
+ARGS = ["--decoder", "fastdllm", "--max-batch", "4", "--max-queue", "32", "--max-prompt-tokens", "64", "--compact-rows", "2"]
 NAME = "tiny_tasks"
 
 
@@ -36,6 +37,7 @@ def server(subprocess_env):
         line = proc.stdout.readline()  # the ready line (after loading and compiling)
         m = re.search(r"at (http://127\.0\.0\.1:\d+)", line)
         assert m, f"no ready line: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert "batch 4 in chunks of 2," in line, line  # --compact-rows reached the running batch
         yield m.group(1), proc
     finally:
         if proc.poll() is None:
@@ -221,3 +223,17 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server, model):
     with pytest.raises(httpx.TransportError):
         httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "copy: jan"}, timeout=5)
     assert np.isfinite(r.json()["polestar"]["tpf"])
+
+
+@pytest.mark.parametrize("argv, part", [
+    (["--compact-rows", "-1"], "--compact-rows must be >= 0"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+])
+def test_bad_server_options_are_one_line(argv, part, capsys):
+    """A bad capacity option: exit 2 with one error line naming the flag (before anything compiles)."""
+    from polestar_jax import serve
+
+    code = serve.main(["--port", "0", *argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and part in err, (code, err)
