@@ -21,8 +21,7 @@ NEUTRAL = {"top_p": (None, 1, 1.0), "frequency_penalty": (None, 0, 0.0), "presen
            "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
            "logit_bias": (None, {}), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
            "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
-           "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
-           "max_completion_tokens": (None,)}
+           "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +46,7 @@ class Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens (the chat API's)
     temperature: Optional[float] = Field(default=None, ge=0.0)
     seed: Optional[int] = Field(default=None, ge=0, lt=2 ** 32)
     stop: Union[str, list[str], None] = None
@@ -98,9 +98,13 @@ def check_fields(req: Common, served_name: str, limits: "ServerLimits", dcfg: De
             raise BadRequest(f"unknown field '{name}'", name)
         if value not in NEUTRAL[name]:
             raise BadRequest(f"'{name}' is not supported (only its default, {NEUTRAL[name][-1]!r})", name)
-    max_tokens = limits.max_tokens if req.max_tokens is None else req.max_tokens
+    asked = {v for v in (req.max_tokens, req.max_completion_tokens) if v is not None}
+    if len(asked) > 1:
+        raise BadRequest("max_tokens and max_completion_tokens disagree (give one)", "max_completion_tokens")
+    max_tokens = asked.pop() if asked else limits.max_tokens
     if not 1 <= max_tokens <= limits.max_tokens:
-        raise BadRequest(f"max_tokens must be between 1 and {limits.max_tokens}, got {max_tokens}", "max_tokens")
+        field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        raise BadRequest(f"{field} must be between 1 and {limits.max_tokens}, got {max_tokens}", field)
     pc, polestar = dcfg.polestar, dcfg.decoder == "polestar"
     if req.early_threshold is not None and (not polestar or req.early_threshold != pc.early_threshold):
         raise BadRequest(f"early_threshold is compiled into this server's executable "
@@ -343,10 +347,17 @@ def create_app(model, scheduler, limits: "ServerLimits", served_name: str, defau
     async def chat_completions(request: Request, req: ChatRequest):
         return await api.run(request, req, chat=True)
 
+    card = {"id": served_name, "object": "model", "created": 0, "owned_by": "polestar-jax"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": 0,
-                                            "owned_by": "polestar-jax"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_card(name: str):
+        if name != served_name:
+            return api.error(404, f"the model '{name}' does not exist (this server serves '{served_name}')", "model")
+        return card
 
     @app.get("/health")
     async def health():

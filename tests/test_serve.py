@@ -68,6 +68,16 @@ def test_models_and_health(server):
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME]
     h = httpx.get(base + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ready"
+    card = httpx.get(base + f"/v1/models/{NAME}")  # (the openai client's models.retrieve)
+    assert card.status_code == 200 and card.json() == r.json()["data"][0]
+    missing = httpx.get(base + "/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_models_retrieve_with_the_openai_client(client):
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
 
 
 def test_chat_stream_and_completions_equal_the_prompt_alone(client, model):
@@ -101,6 +111,12 @@ def test_max_tokens_seed_and_stop(client, model):
     want = model.engine.completion(model.engine.run([ids], dc).row(0), max_tokens=5)
     assert r.choices[0].text == model.tokenizer.decode(want.response_ids)
     assert r.usage.completion_tokens == len(want.response_ids) <= 5
+    # max_completion_tokens: OpenAI's newer name for it (the chat API's); the same cut
+    chat = [{"role": "user", "content": "copy: jan,kat,leo,pat,rex"}]
+    a = client.chat.completions.create(model=NAME, messages=chat, max_completion_tokens=5)
+    b = client.chat.completions.create(model=NAME, messages=chat, max_tokens=5)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens == b.usage.completion_tokens <= 5
     r = client.completions.create(model=NAME, prompt=ids, stop=[",leo"])
     assert r.choices[0].text == "jan,kat" and r.choices[0].finish_reason == "stop"
     hot = [client.completions.create(model=NAME, prompt=ids, temperature=1.5, seed=s, max_tokens=8).choices[0].text
@@ -136,6 +152,10 @@ BAD = {
     "over-long prompt": (json.dumps({"model": NAME, "prompt": list(range(5, 70))}), 400, "prompt"),
     "max_tokens 0": (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
     "max_tokens too large": (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 33}), 400, "max_tokens"),
+    "max_completion_tokens too large": (json.dumps({"model": NAME, "prompt": "hi", "max_completion_tokens": 33}), 400,
+                                        "max_completion_tokens"),
+    "max_tokens disagree": (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 8, "max_completion_tokens": 16}),
+                            400, "max_completion_tokens"),
     "n 2": (json.dumps({"model": NAME, "prompt": "hi", "n": 2}), 400, "n"),
     "top_p": (json.dumps({"model": NAME, "prompt": "hi", "top_p": 0.5}), 400, "top_p"),
     "early_threshold": (json.dumps({"model": NAME, "prompt": "hi", "early_threshold": 0.5}), 400, "early_threshold"),
