@@ -299,6 +299,22 @@ class Reply:
             job.cancel()
 
 
+class Draining:
+    """503 for every POST while the server drains. A plain ASGI middleware: Starlette's ``@app.middleware``
+    (BaseHTTPMiddleware) would run each request in an extra task and pass every streamed chunk through a
+    memory stream, CPU that the block computations need."""
+
+    def __init__(self, app, api: Api):
+        self.app, self.api = app, api
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and self.api.draining:
+            self.api.metrics.record("outcome", "rejected")
+            await self.api.error(503, "the server is shutting down", kind="server_error")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(model, scheduler, limits: "ServerLimits", served_name: str, default_temperature: float = 0.0):
     """The FastAPI application over a started :class:`polestar_jax.scheduler.Scheduler` (see the module
     docstring). ``model``: the :class:`polestar_jax.api.Model` (tokenizer, chat template)."""
@@ -332,12 +348,7 @@ def create_app(model, scheduler, limits: "ServerLimits", served_name: str, defau
     async def _http(request, exc):
         return api.error(exc.status_code, str(exc.detail))
 
-    @app.middleware("http")
-    async def _draining(request: Request, call_next):
-        if api.draining and request.method == "POST":
-            api.metrics.record("outcome", "rejected")
-            return api.error(503, "the server is shutting down", kind="server_error")
-        return await call_next(request)
+    app.add_middleware(Draining, api=api)
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):

@@ -257,3 +257,32 @@ def test_bad_server_options_are_one_line(argv, part, capsys):
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and part in err, (code, err)
+
+
+def test_draining_refuses_new_requests_with_503():
+    """While draining, every POST is a 503 with an OpenAI error object (and counted as rejected); GETs
+    (health, metrics) still answer. (The middleware over a small app: in the real server the window between
+    SIGTERM and the closed socket is too short to hit reliably.)"""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from polestar_jax.serve_api import Api, Draining
+    from polestar_jax.serve_metrics import Metrics
+
+    inner = FastAPI()
+    inner.post("/v1/completions")(lambda: {"ok": True})
+    inner.get("/health")(lambda: {"ok": True})
+    api = Api.__new__(Api)  # (the parts the middleware uses: the flag, the metrics, the error object)
+    api.draining, api.metrics = False, Metrics()
+
+    async def talk():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=Draining(inner, api)), base_url="http://t") as c:
+            before = (await c.post("/v1/completions")).status_code
+            api.draining = True
+            return before, await c.post("/v1/completions"), (await c.get("/health")).status_code
+
+    before, refused, health = asyncio.run(talk())
+    assert before == 200 and health == 200
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+    assert b'polestar_requests_total{outcome="rejected"} 1.0' in api.metrics.render()
