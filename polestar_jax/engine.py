@@ -619,6 +619,7 @@ class RunningBatch:
         self.insert_fn, c2 = engine._insert_program(self.state, self._fields([1], 0, 0, dcfg.gen_length), self.layout)
         self.compile_seconds = c1 + c2
         self.slots: list[Optional[_Occupant]] = [None] * self.size
+        self._freed: set[int] = set()  # slots freed on the host whose rows the device still counts as live
 
     @property
     def knobs(self) -> Knobs:
@@ -661,12 +662,15 @@ class RunningBatch:
         for name, v in (("threshold", threshold), ("temperature", temperature), ("factor", factor)):
             self._knobs[name][slot] = self._base_knobs[name] if v is None else float(v)
         self._knobs_dev = None
-        self.state = self.insert_fn(self.state, self._fields(prompt, seed, row, gen), jnp.int32(slot))
+        # (a NumPy scalar: jnp.int32 would run an eager conversion per insert)
+        self.state = self.insert_fn(self.state, self._fields(prompt, seed, row, gen), np.int32(slot))
+        self._freed.discard(slot)  # (the insertion rewrote the whole row)
         self.slots[slot] = _Occupant(tag=tag, n_blocks=gen // self.dcfg.block_length, inserted=time.perf_counter())
         return slot
 
     def step(self) -> None:
         """Advances every live row by one block (dispatched asynchronously)."""
+        self._apply_frees()
         self.state, _ = self.fn(self.engine.params, self.state, self.knobs, None)
         for o in self.slots:
             if o is not None:
@@ -720,8 +724,18 @@ class RunningBatch:
         return out
 
     def cancel(self, slot: int) -> None:
-        """Frees ``slot`` now (its row leaves at this block boundary; its results are dropped)."""
+        """Frees ``slot`` now (its row leaves at this block boundary; its results are dropped). The device
+        state learns it with the next :meth:`step`, once for every slot freed since (one small update, not
+        one per row)."""
         if self.slots[slot] is None:
             return
-        self.state = self.state.replace(n_blocks=self.state.n_blocks.at[slot].set(0))
         self.slots[slot] = None
+        self._freed.add(slot)
+
+    def _apply_frees(self) -> None:
+        """The slots freed since the last step get no blocks (their rows are no longer live)."""
+        if self._freed:
+            mask = np.zeros((self.size,), bool)
+            mask[list(self._freed)] = True
+            self.state = self.state.replace(n_blocks=jnp.where(mask, 0, self.state.n_blocks))
+            self._freed.clear()

@@ -109,6 +109,25 @@ def test_per_row_blocks_insertion_and_leaving(engine):
     assert engine.executable_count == n_programs  # nothing recompiled
 
 
+def test_a_cancelled_row_is_not_decoded_again(engine):
+    """A slot freed between calls (a client that left) costs no further block: its row's block counter and
+    forwards stay where they were, while the other row goes on (the frees reach the device with the next
+    call, all at once)."""
+    dc = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=16, block_length=B)
+    batch = engine.batch(dc, 2, 12)
+    batch.insert([3, 4, 5], tag="a")
+    batch.insert([3, 4], tag="b")
+    batch.step()
+    batch.cancel(1)
+    nfe = int(batch.state.nfe[1])
+    batch.step()
+    blk, _ = batch.progress()
+    assert blk.tolist() == [2, 1] and int(batch.state.nfe[1]) == nfe and batch.free_slots == [1]
+    c = batch.insert([3, 4, 5, 6], tag="c")  # the slot is reused: the new row starts at its block 0
+    batch.step()
+    assert c == 1 and batch.progress()[0].tolist() == [3, 1]
+
+
 def test_continuous_job_keeps_the_batch_full(engine):
     dc = DecodeConfig(decoder="fastdllm", cache="none", gen_length=16, block_length=B)
     prompts = [[3] * n for n in (3, 11, 5, 9, 2, 12, 4)]
