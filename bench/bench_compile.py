@@ -12,6 +12,7 @@ with ``--llada8b-layers N``: d_model 4096, 32 heads, MLP 12288, vocab 126464, bf
     python -m bench.bench_compile                                   # tiny_tasks, batch 1
     python -m bench.bench_compile --random-layers 8 --random-d-model 512 --prompt 64 --gen 128 --block 32
     python -m bench.bench_compile --llada8b-layers 2 --prompt 64 --gen 128 --block 32 --decoders fastdllm-dual,polestar
+    python -m bench.bench_compile --decoders fastdllm-dual,polestar,polestar-1width,polestar-norefresh,polestar-skeleton
 """
 from __future__ import annotations
 
@@ -32,6 +33,35 @@ DECODERS = {"llada": dict(decoder="llada"), "fastdllm-none": dict(decoder="fastd
             "fastdllm-prefix": dict(decoder="fastdllm", cache="prefix"),
             "fastdllm-dual": dict(decoder="fastdllm", cache="dual", step_after_full_pass=False),
             "polestar": dict(decoder="polestar")}
+#: Polestar with parts of its program left out (what each part costs to compile; tokens differ), as
+#: ``PolestarConfig`` fields: one refresh width; no refresh (and so no suffix commit); the skeleton: also no
+#: windowed block start and no early commit (the block start, the k-means, the token drift and the steps).
+ABLATIONS = {"polestar-1width": dict(refresh_buckets=1),
+             "polestar-norefresh": dict(refresh=False, suffix_precommit=False),
+             "polestar-skeleton": dict(refresh=False, suffix_precommit=False, windowed_period=0, early_threshold=None)}
+
+
+def ablation_flags(fields: dict) -> list:
+    """The ``generate`` flags of an ablation's fields."""
+    from polestar_jax.cli import flag_of
+    from polestar_jax.config import PolestarConfig
+
+    out = []
+    for k, v in fields.items():
+        flag = flag_of(PolestarConfig, k, v)
+        out += [flag] if isinstance(v, bool) else [flag, "none" if v is None else str(v)]
+    return out
+
+
+def decoder_settings(name: str) -> dict:
+    """``DecodeConfig`` fields of a name of :data:`DECODERS` or :data:`ABLATIONS`."""
+    if name in DECODERS:
+        return DECODERS[name]
+    if name not in ABLATIONS:
+        raise SystemExit(f"unknown decoder {name!r} (one of {', '.join([*DECODERS, *ABLATIONS])})")
+    from polestar_jax.config import PolestarConfig
+
+    return dict(decoder="polestar", polestar=PolestarConfig(**ABLATIONS[name]))
 
 
 def _model(args):
@@ -85,7 +115,8 @@ def cache_hit(name: str, batch: int, args) -> dict:
     were (tracing and lowering, then loading)."""
     flags = {"llada": ["--decoder", "llada"], "fastdllm-none": ["--decoder", "fastdllm", "--cache", "none"],
              "fastdllm-prefix": ["--decoder", "fastdllm", "--cache", "prefix"],
-             "fastdllm-dual": ["--decoder", "fastdllm", "--cache", "dual"], "polestar": ["--decoder", "polestar"]}
+             "fastdllm-dual": ["--decoder", "fastdllm", "--cache", "dual"], "polestar": ["--decoder", "polestar"],
+             **{k: ["--decoder", "polestar", *ablation_flags(v)] for k, v in ABLATIONS.items()}}
     cmd = [sys.executable, "-m", "polestar_jax.generate", *flags[name], "--gen-length", str(args.gen),
            "--block-length", str(args.block), "--precompile", f"{batch}x{args.prompt}", "--quiet"]
     with tempfile.TemporaryDirectory() as d:
@@ -120,7 +151,7 @@ def main(argv=None) -> int:
     for name in args.decoders.split(","):
         for b in (int(x) for x in args.batch.split(",")):
             dcfg = DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.gen,
-                                **{"threshold": None if name == "llada" else 0.9, **DECODERS[name]})
+                                **{"threshold": None if name == "llada" else 0.9, **decoder_settings(name)})
             r = {"decoder": name, "batch": b, **time_program(cfg, params, dcfg, b, args.prompt)}
             if not args.no_cache_hit and not (args.llada8b_layers or args.random_layers):
                 r.update(cache_hit(name, b, args))

@@ -95,3 +95,16 @@ def test_bench_engine_mixed_job_smoke(tmp_path):
     assert {"fixed", "lockstep_early_exit", "continuous"} <= set(r)
     assert r["continuous"]["tpf"] >= r["fixed"]["tpf"] and r["lockstep_early_exit"]["nfe"] <= r["fixed"]["nfe"]
     assert r["continuous"]["non_eos_tokens"] == r["fixed"]["non_eos_tokens"]
+
+
+def test_compile_ablations_are_the_flags_they_run_with():
+    """bench_compile's Polestar ablations time in one process the config its cache-hit runs pass to
+    ``generate`` as flags: both spellings must resolve to the same PolestarConfig."""
+    from bench import bench_compile as C
+    from polestar_jax.generate import build_parser, decode_config_from_args
+
+    for name, fields in C.ABLATIONS.items():
+        args = build_parser().parse_args(["--decoder", "polestar", *C.ablation_flags(fields)])
+        got = decode_config_from_args(args).polestar
+        assert got == C.decoder_settings(name)["polestar"], name
+        assert all(getattr(got, k) == v for k, v in fields.items())
