@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model name clients use (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free port, printed)")
+    ap.add_argument("--api-key", default=os.environ.get("POLESTAR_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' on the /v1/ endpoints; else 401 (default: "
+                         "$POLESTAR_API_KEY, else none; /health and /metrics stay open)")
     s = ap.add_argument_group("capacity (the shapes compiled at start)")
     s.add_argument("--max-batch", type=int, default=8, help="rows decoding at once (default: 8)")
     s.add_argument("--max-queue", type=int, default=64,
@@ -107,6 +110,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         raise PolestarError(f"the server needs its extra packages: pip install 'polestar-jax[serve]' ({e})") from None
     if args.model is not None:
         cli.need_folder(args.model)
+    if args.api_key is not None and (not args.api_key.strip() or any(c.isspace() for c in args.api_key)):
+        raise PolestarError("--api-key must be a non-empty word (no spaces)")
     if not 0 <= args.port < 65536:
         raise PolestarError(f"--port must be in [0, 65535], got {args.port}")
     from polestar_jax import api
@@ -121,7 +126,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     scheduler = Scheduler(model.engine, dcfg, args.max_batch, limits.max_prompt_tokens, args.max_queue,
                           sampling=True, compact_rows=args.compact_rows)
     compile_s = time.perf_counter() - t0
-    app = create_app(model, scheduler, limits, served, default_temperature=dcfg.temperature)
+    app = create_app(model, scheduler, limits, served, default_temperature=dcfg.temperature, api_key=args.api_key)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: 503 for new requests, drain, exit 0

@@ -5,6 +5,7 @@ Needs the ``serve`` extra (FastAPI, pydantic, prometheus-client)."""
 # (no "from __future__ import annotations": FastAPI reads the request models from real annotations)
 import asyncio
 import dataclasses
+import hmac
 import json
 import math
 import time
@@ -299,15 +300,31 @@ class Reply:
             job.cancel()
 
 
-class Draining:
-    """503 for every POST while the server drains. A plain ASGI middleware: Starlette's ``@app.middleware``
-    (BaseHTTPMiddleware) would run each request in an extra task and pass every streamed chunk through a
-    memory stream, CPU that the block computations need."""
+class Gate:
+    """What a request meets before its endpoint: with an API key, the ``/v1/`` endpoints need ``Authorization:
+    Bearer <key>`` (else 401, OpenAI's ``invalid_api_key``); while the server drains, every POST is a 503. A
+    plain ASGI middleware: Starlette's ``@app.middleware`` (BaseHTTPMiddleware) would run each request in an
+    extra task and pass every streamed chunk through a memory stream, CPU that the block computations need."""
 
-    def __init__(self, app, api: Api):
+    def __init__(self, app, api: Api, api_key: Optional[str] = None):
         self.app, self.api = app, api
+        self.expected = None if api_key is None else ("Bearer " + api_key).encode()
+
+    def authorized(self, scope) -> bool:
+        if self.expected is None or not scope["path"].startswith("/v1/"):
+            return True
+        got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        return hmac.compare_digest(got, self.expected)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not self.authorized(scope):
+            self.api.metrics.record("outcome", "unauthorized")
+            body = error_body("invalid or missing API key (Authorization: Bearer <key>)")
+            body["error"]["code"] = "invalid_api_key"
+            from fastapi.responses import JSONResponse
+
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "POST" and self.api.draining:
             self.api.metrics.record("outcome", "rejected")
             await self.api.error(503, "the server is shutting down", kind="server_error")(scope, receive, send)
@@ -315,9 +332,11 @@ class Draining:
         await self.app(scope, receive, send)
 
 
-def create_app(model, scheduler, limits: "ServerLimits", served_name: str, default_temperature: float = 0.0):
+def create_app(model, scheduler, limits: "ServerLimits", served_name: str, default_temperature: float = 0.0,
+               api_key: Optional[str] = None):
     """The FastAPI application over a started :class:`polestar_jax.scheduler.Scheduler` (see the module
-    docstring). ``model``: the :class:`polestar_jax.api.Model` (tokenizer, chat template)."""
+    docstring). ``model``: the :class:`polestar_jax.api.Model` (tokenizer, chat template); ``api_key``: the
+    bearer token the ``/v1/`` endpoints require (None: open)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -348,7 +367,7 @@ def create_app(model, scheduler, limits: "ServerLimits", served_name: str, defau
     async def _http(request, exc):
         return api.error(exc.status_code, str(exc.detail))
 
-    app.add_middleware(Draining, api=api)
+    app.add_middleware(Gate, api=api, api_key=api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):

@@ -248,6 +248,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server, model):
 @pytest.mark.parametrize("argv, part", [
     (["--compact-rows", "-1"], "--compact-rows must be >= 0"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--api-key", " "], "--api-key must be a non-empty word"),
 ])
 def test_bad_server_options_are_one_line(argv, part, capsys):
     """A bad capacity option: exit 2 with one error line naming the flag (before anything compiles)."""
@@ -259,25 +260,33 @@ def test_bad_server_options_are_one_line(argv, part, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and part in err, (code, err)
 
 
-def test_draining_refuses_new_requests_with_503():
-    """While draining, every POST is a 503 with an OpenAI error object (and counted as rejected); GETs
-    (health, metrics) still answer. (The middleware over a small app: in the real server the window between
-    SIGTERM and the closed socket is too short to hit reliably.)"""
-    import asyncio
-
+def _gate_client(api_key=None):
+    """(the Gate middleware over a small app, the Api parts it uses) for the tests below: the real server's
+    window between SIGTERM and the closed socket is too short to hit reliably, and a key needs its own server."""
     from fastapi import FastAPI
 
-    from polestar_jax.serve_api import Api, Draining
+    from polestar_jax.serve_api import Api, Gate
     from polestar_jax.serve_metrics import Metrics
 
     inner = FastAPI()
     inner.post("/v1/completions")(lambda: {"ok": True})
+    inner.get("/v1/models")(lambda: {"ok": True})
     inner.get("/health")(lambda: {"ok": True})
     api = Api.__new__(Api)  # (the parts the middleware uses: the flag, the metrics, the error object)
     api.draining, api.metrics = False, Metrics()
+    transport = httpx.ASGITransport(app=Gate(inner, api, api_key))
+    return api, lambda: httpx.AsyncClient(transport=transport, base_url="http://t")
+
+
+def test_draining_refuses_new_requests_with_503():
+    """While draining, every POST is a 503 with an OpenAI error object (and counted as rejected); GETs
+    (health, metrics) still answer."""
+    import asyncio
+
+    api, client = _gate_client()
 
     async def talk():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=Draining(inner, api)), base_url="http://t") as c:
+        async with client() as c:
             before = (await c.post("/v1/completions")).status_code
             api.draining = True
             return before, await c.post("/v1/completions"), (await c.get("/health")).status_code
@@ -286,3 +295,25 @@ def test_draining_refuses_new_requests_with_503():
     assert before == 200 and health == 200
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
     assert b'polestar_requests_total{outcome="rejected"} 1.0' in api.metrics.render()
+
+
+def test_api_key_guards_the_v1_endpoints():
+    """With --api-key, /v1/ needs the bearer token (the openai client's api_key): else 401 with OpenAI's
+    invalid_api_key error; /health stays open."""
+    import asyncio
+
+    api, client = _gate_client("s3cret")
+
+    async def talk():
+        async with client() as c:
+            good = {"Authorization": "Bearer s3cret"}
+            return [(await c.post("/v1/completions")).status_code,
+                    (await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})),
+                    (await c.post("/v1/completions", headers=good)).status_code,
+                    (await c.get("/v1/models", headers=good)).status_code,
+                    (await c.get("/health")).status_code]
+
+    none, wrong, post, get, health = asyncio.run(talk())
+    assert none == 401 and wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert (post, get, health) == (200, 200, 200)
+    assert b'polestar_requests_total{outcome="unauthorized"} 2.0' in api.metrics.render()
