@@ -81,9 +81,15 @@ class BadRequest(Exception):
         self.param, self.status = param, status
 
 
-def error_body(message: str, param: Optional[str] = None, kind: str = "invalid_request_error") -> dict:
+def error_body(message: str, param: Optional[str] = None, kind: str = "invalid_request_error",
+               code: Optional[str] = None) -> dict:
     """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def unknown_model(name: str, served_name: str) -> str:
+    """The message of a request (or a model card) naming another model than the served one."""
+    return f"the model '{name}' does not exist (this server serves '{served_name}')"
 
 
 def check_fields(req: Common, served_name: str, limits: "ServerLimits", dcfg: DecodeConfig,
@@ -91,7 +97,7 @@ def check_fields(req: Common, served_name: str, limits: "ServerLimits", dcfg: De
     """The request's job settings (:class:`polestar_jax.scheduler.Job` fields); :class:`BadRequest` for what
     the server cannot honour."""
     if req.model != served_name:
-        raise BadRequest(f"the model '{req.model}' does not exist (this server serves '{served_name}')", "model", 404)
+        raise BadRequest(unknown_model(req.model, served_name), "model", 404)
     if req.n != 1:
         raise BadRequest("n must be 1 (one choice per request)", "n")
     for name, value in (req.model_extra or {}).items():
@@ -175,10 +181,10 @@ class Api:
         self.draining = False
 
     def error(self, status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error",
-              headers: Optional[dict] = None):
+              headers: Optional[dict] = None, code: Optional[str] = None):
         from fastapi.responses import JSONResponse
 
-        return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
+        return JSONResponse(error_body(message, param, kind, code), status_code=status, headers=headers)
 
     async def run(self, request, req, chat: bool):
         """One request: submitted to the scheduler, answered as one JSON document or as a stream."""
@@ -319,11 +325,8 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and not self.authorized(scope):
             self.api.metrics.record("outcome", "unauthorized")
-            body = error_body("invalid or missing API key (Authorization: Bearer <key>)")
-            body["error"]["code"] = "invalid_api_key"
-            from fastapi.responses import JSONResponse
-
-            await JSONResponse(body, status_code=401)(scope, receive, send)
+            await self.api.error(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                 code="invalid_api_key")(scope, receive, send)
             return
         if scope["type"] == "http" and scope["method"] == "POST" and self.api.draining:
             self.api.metrics.record("outcome", "rejected")
@@ -386,7 +389,7 @@ def create_app(model, scheduler, limits: "ServerLimits", served_name: str, defau
     @app.get("/v1/models/{name:path}")
     async def model_card(name: str):
         if name != served_name:
-            return api.error(404, f"the model '{name}' does not exist (this server serves '{served_name}')", "model")
+            return api.error(404, unknown_model(name, served_name), "model")
         return card
 
     @app.get("/health")
