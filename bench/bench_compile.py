@@ -88,7 +88,8 @@ def _model(args):
 
 
 def time_program(cfg, params, dcfg, batch: int, prompt: int) -> dict:
-    """Lowering and XLA seconds of one block program (the engine's jit, abstract arguments)."""
+    """Lowering and XLA seconds of one block program (the engine's jit, abstract arguments), its StableHLO lines
+    and the fusions of the optimized HLO."""
     from polestar_jax.block import decode_block
     from polestar_jax.engine import Engine
     from polestar_jax.state import init_decode_state
@@ -103,10 +104,12 @@ def time_program(cfg, params, dcfg, batch: int, prompt: int) -> dict:
     t0 = time.perf_counter()
     lowered = jitted.lower(params, state, knobs, None, spec)
     t1 = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     t2 = time.perf_counter()
     hlo_ops = lowered.as_text().count("\n")
-    return {"lower_seconds": t1 - t0, "xla_seconds": t2 - t1, "total_seconds": t2 - t0, "stablehlo_lines": hlo_ops}
+    fusions = len(re.findall(r"= [^\n]*? fusion\(", compiled.as_text()))  # (XLA compiles one kernel per fusion)
+    return {"lower_seconds": t1 - t0, "xla_seconds": t2 - t1, "total_seconds": t2 - t0, "stablehlo_lines": hlo_ops,
+            "fusions": fusions}
 
 
 def cache_hit(name: str, batch: int, args) -> dict:
