@@ -11,24 +11,32 @@ Every kernel wrapper in this package takes ``backend=`` (one of :data:`KINDS`) a
 * ``"auto"``: as ``"pallas"`` where :data:`SUPPORTED` lists a lowering for the platform, else the
   reference (so ``auto`` is the reference on cpu).
 
-The platform choice is made with :func:`jax.lax.platform_dependent`, i.e. when the computation is lowered,
-not when it is traced: ``jax.export(..., platforms=["cuda"])`` of an ``auto`` call from a CPU-only host
-gets the Triton kernel, ``platforms=["tpu"]`` the Mosaic kernel. (Export one platform at a time: a
-multi-platform export lowers every branch for every platform, and Pallas kernels only lower for their own.
-From a machine without a GPU, export through :func:`polestar_jax.compat.export`: jax >= 0.12 needs the
-target GPU named for the Triton lowering.)
+Where the platform is chosen:
 
-Every branch is *traced* on every platform (``platform_dependent`` stages them all out; only lowering picks
-one), so each kernel must trace anywhere: in particular jax >= 0.12 bounds-checks ref slices with a static
-start at trace time, and the Triton flavours pad the small operands they read as static whole-block slices
-to the block sizes (tests/test_compat.py traces every branch at shapes no block divides).
+* by default, when the computation is *traced*, for this process's default backend
+  (``jax.default_backend()``: what ``jax.jit`` lowers for): only the chosen implementation is traced. (Each
+  Pallas kernel costs tens of milliseconds to trace; staging out the Triton, Mosaic and reference versions
+  of the ~50 kernel calls of Polestar's block program cost ~0.4 s of its tracing on a CPU.)
+* inside :func:`staged` (:func:`polestar_jax.compat.export` enters it), when it is *lowered*, with
+  :func:`jax.lax.platform_dependent`: ``jax.export(..., platforms=["cuda"])`` of an ``auto`` call from a
+  CPU-only host gets the Triton kernel, ``platforms=["tpu"]`` the Mosaic kernel. (Export one platform at a
+  time: a multi-platform export lowers every branch for every platform, and Pallas kernels only lower for
+  their own. From a machine without a GPU, export through :func:`polestar_jax.compat.export`: jax >= 0.12
+  needs the target GPU named for the Triton lowering.)
+
+Staged, every branch is traced on every platform, so each kernel must trace anywhere: in particular
+jax >= 0.12 bounds-checks ref slices with a static start at trace time, and the Triton flavours pad the
+small operands they read as static whole-block slices to the block sizes (tests/test_compat.py traces
+every branch at shapes no block divides).
 
 :func:`resolve_backend` answers the same question eagerly for a concrete platform (default: the default
 JAX backend), for callers that want to pick an implementation outside of a trace.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+import contextvars
+from typing import Callable, Iterator, Optional
 
 import jax
 from jax import lax
@@ -83,6 +91,20 @@ def resolve_backend(kind: str, platform: Optional[str] = None, kernel: Optional[
     return "pallas" if ok else "reference"
 
 
+_STAGED = contextvars.ContextVar("polestar_kernels_staged", default=False)
+
+
+@contextlib.contextmanager
+def staged() -> Iterator[None]:
+    """Within: every kernel call stages out each platform's implementation and the lowering picks one
+    (for ``jax.export`` to a platform other than this process's default backend)."""
+    token = _STAGED.set(True)
+    try:
+        yield
+    finally:
+        _STAGED.reset(token)
+
+
 def dispatch(name: str, backend: str, args: tuple, *, reference: Callable, pallas: Callable[[str, bool], Callable],
              interpret_flavor: str = "triton"):
     """Calls the implementation of kernel ``name`` that ``backend`` selects.
@@ -96,6 +118,12 @@ def dispatch(name: str, backend: str, args: tuple, *, reference: Callable, palla
         return reference(*args)
     if backend == "interpret":
         return pallas(interpret_flavor, True)(*args)
+    if not _STAGED.get():  # (chosen now, for the backend a plain jax.jit lowers for)
+        plat = _canonical_platform(None)
+        kind = resolve_backend(backend, plat, name)
+        if kind == "reference":
+            return reference(*args)
+        return pallas(FLAVORS[plat], False)(*args) if kind == "pallas" else pallas(interpret_flavor, True)(*args)
     branches = {plat: pallas(FLAVORS[plat], False) for plat in sorted(SUPPORTED[name]) if plat in FLAVORS}
     default = reference if backend == "auto" else pallas(interpret_flavor, True)
     return lax.platform_dependent(*args, default=default, **branches)

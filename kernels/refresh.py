@@ -436,8 +436,8 @@ def _shift_pallas(centroids, labels, counts, rows_mask, h_old, h_new, *, flavor,
         bd = min(_pow2(d, 16), 256)
         bk, br, dp = _pow2(k, 16), _pow2(r, 16), pl.cdiv(d, bd) * bd
         # The kernel reads the label / count / centroid / row axes as static slices [0, block): those must
-        # be in bounds (jax >= 0.12 checks static slices at trace time, and lax.platform_dependent traces
-        # this branch on every platform), so the operands are padded to the blocks here (labels -1, the
+        # be in bounds (jax >= 0.12 checks static slices at trace time, and an export staged for every
+        # platform traces this branch on CPU too), so the operands are padded to the blocks here (labels -1, the
         # rest 0: padded rows belong to no cluster, padded clusters have count 0 and are sliced off).
         lab = _pad_to(lab, (b, 1, br), -1)
         cnt = _pad_to(cnt, (b, bk, 1), 0)

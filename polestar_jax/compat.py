@@ -16,8 +16,9 @@ side of the change it is on.
 
 Not a version switch, but the reason the kernels look as they do (see :mod:`polestar_jax.kernels.backend`):
 from jax 0.12 a Pallas ref slice with a *static* start is bounds-checked at trace time (0.10 skipped the
-check when the start was 0), and :func:`jax.lax.platform_dependent` traces every platform's branch, so the
-Triton kernels are traced on CPU too. The kernels therefore never slice a ref statically past its end: the
+check when the start was 0), and an export staged for every platform (:func:`export`, with
+:func:`jax.lax.platform_dependent`) traces every platform's branch, so the Triton kernels are traced on CPU
+too. The kernels therefore never slice a ref statically past its end: the
 small operands are padded to the kernel's block sizes in the wrapper (one code path for every version).
 
 ``python -m polestar_jax.compat`` prints the versions that matter (Python, jax, jaxlib, flax, orbax, ...).
@@ -111,14 +112,17 @@ def lowering_target(platform: str, device_kind: str = ABSTRACT_GPU_KIND) -> Iter
 
 
 def export(fun: Callable, *, platforms: Sequence[str], **kwargs: Any) -> Callable[..., "jax.export.Exported"]:
-    """``jax.export.export(fun, platforms=platforms, **kwargs)`` whose call lowers inside
-    :func:`lowering_target` (one platform at a time, as the kernels' dispatch needs; see
-    :mod:`polestar_jax.kernels.backend`)."""
+    """``jax.export.export(fun, platforms=platforms, **kwargs)`` whose call traces the kernels staged for
+    every platform (:func:`polestar_jax.kernels.backend.staged`) and lowers inside :func:`lowering_target`
+    (one platform at a time, as the kernels' dispatch needs; see :mod:`polestar_jax.kernels.backend`)."""
     platforms = tuple(platforms)
     exporter = jax.export.export(fun, platforms=platforms, **kwargs)
 
     def call(*args, **kw):
+        from polestar_jax.kernels.backend import staged
+
         with contextlib.ExitStack() as stack:
+            stack.enter_context(staged())
             for p in set(platforms):
                 stack.enter_context(lowering_target(p))
             return exporter(*args, **kw)

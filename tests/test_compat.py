@@ -26,6 +26,7 @@ import pytest
 from polestar_jax import compat
 from polestar_jax.checkpoint import hf_to_params, is_converted_folder, load_model, read_hf_folder
 from polestar_jax.config import ModelConfig
+from polestar_jax.kernels import backend as BK
 from polestar_jax.kernels import kl_drift as KD
 from polestar_jax.kernels import refresh as RF
 
@@ -210,9 +211,24 @@ def test_kernels_trace_every_branch(case, backend):
     kernels must be traceable on this CPU at shapes no block divides."""
     f, args = AWKWARD[case]
     g, arrays = _bind(functools.partial(f, backend=backend), args)
-    jaxpr = jax.make_jaxpr(g)(*arrays)
+    with BK.staged():
+        jaxpr = jax.make_jaxpr(g)(*arrays)
     if backend != "interpret":
         assert "pallas_call" in str(jaxpr)
+
+
+@pytest.mark.parametrize("case", ["kl_drift_hd20", "scatter_rows"])
+def test_kernels_outside_staged_trace_only_the_local_choice(case):
+    """A plain trace picks the implementation of this process's backend then: on this CPU ``auto`` traces
+    the reference alone (no Pallas kernel, no platform switch), ``pallas`` the interpreter's kernel."""
+    assert jax.default_backend() == "cpu"
+    f, args = AWKWARD[case]
+    texts = {}
+    for backend in ("auto", "pallas"):
+        g, arrays = _bind(functools.partial(f, backend=backend), args)
+        texts[backend] = str(jax.make_jaxpr(g)(*arrays))
+    assert "pallas_call" not in texts["auto"] and "platform_index" not in texts["auto"]
+    assert "pallas_call" in texts["pallas"] and "platform_index" not in texts["pallas"]
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
