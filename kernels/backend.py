@@ -97,10 +97,15 @@ _STAGED = contextvars.ContextVar("polestar_kernels_staged", default=False)
 @contextlib.contextmanager
 def staged() -> Iterator[None]:
     """Within: every kernel call stages out each platform's implementation and the lowering picks one
-    (for ``jax.export`` to a platform other than this process's default backend)."""
+    (for ``jax.export`` to a platform other than this process's default backend). JAX's tracing caches
+    keep staged traces apart from plain ones (:func:`polestar_jax.compat.separate_trace_cache`): a function
+    traced before, outside, is traced again here."""
+    from polestar_jax.compat import separate_trace_cache
+
     token = _STAGED.set(True)
     try:
-        yield
+        with separate_trace_cache("polestar-kernels-staged"):
+            yield
     finally:
         _STAGED.reset(token)
 

@@ -36,7 +36,7 @@ from jax.experimental.compute_on import compute_on as _compute_on
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "COMPUTE_ON_KEYWORD_ONLY", "ABSTRACT_GPU_KIND", "parse_version",
            "compute_on_host", "lowering_target", "export", "versions", "version_line", "distributed_joined",
-           "cluster_env_types", "backends_initialized", "wrap_compile_cache_put"]
+           "cluster_env_types", "backends_initialized", "separate_trace_cache", "wrap_compile_cache_put"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -188,6 +188,27 @@ def backends_initialized() -> bool:
         return bool(xla_bridge.backends_are_initialized())
     except Exception:  # noqa: BLE001
         return False
+
+
+@contextlib.contextmanager
+def separate_trace_cache(marker: str) -> Iterator[None]:
+    """Within: JAX's tracing caches key on ``marker`` too, so a function traced here is never answered by a
+    trace of it made outside, nor the reverse (the kernels' staged traces, :mod:`polestar_jax.kernels.backend`).
+    Done through ``jax_hlo_source_file_canonicalization_regex``, an option of JAX's trace context, extended by
+    an alternative that matches nothing (the HLO's metadata stays as it was). A JAX without that option:
+    its caches are cleared on entry instead."""
+    try:
+        from jax._src import config as _config
+
+        state = _config.hlo_source_file_canonicalization_regex
+        current = state.value
+    except Exception:  # noqa: BLE001 - another JAX layout: no keyed separation, start from empty caches
+        jax.clear_caches()
+        yield
+        return
+    never = "(?!)" + re.escape(marker)  # (an empty lookahead never holds)
+    with state(never if current is None else f"(?:{current})|{never}"):
+        yield
 
 
 def wrap_compile_cache_put(wrap: Callable) -> bool:

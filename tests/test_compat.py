@@ -231,6 +231,22 @@ def test_kernels_outside_staged_trace_only_the_local_choice(case):
     assert "pallas_call" in texts["pallas"] and "platform_index" not in texts["pallas"]
 
 
+def test_export_after_a_plain_run_of_the_same_function_stages_the_kernels():
+    """JAX caches traces by function and shapes: a function run here first (traced with the CPU's choice, the
+    reference) and then exported for tpu must still get the Mosaic kernel (the staged trace is keyed apart),
+    and a plain run after the export the reference again."""
+    def f(q, k, p):
+        return KD.kl_drift(q, k, None, p, mode="cluster")
+
+    args = (jnp.ones((1, 4, 8, 16)), jnp.ones((1, 4, 32, 16)), jnp.full((1, 4, 8, 32), 1 / 32))
+    jf = jax.jit(f)
+    want = np.asarray(jf(*args)[0])
+    text = compat.export(jf, platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text
+    assert "pallas_call" not in str(jax.make_jaxpr(f)(*args))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(*args)[0]), want)
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("case", sorted(AWKWARD))
 def test_kernels_export_awkward_shapes(case, platform):
