@@ -34,12 +34,12 @@ JAX backend), for callers that want to pick an implementation outside of a trace
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import jax
 from jax import lax
+
+from polestar_jax import compat
 
 KINDS = ("auto", "pallas", "interpret", "reference")
 
@@ -91,23 +91,10 @@ def resolve_backend(kind: str, platform: Optional[str] = None, kernel: Optional[
     return "pallas" if ok else "reference"
 
 
-_STAGED = contextvars.ContextVar("polestar_kernels_staged", default=False)
-
-
-@contextlib.contextmanager
-def staged() -> Iterator[None]:
-    """Within: every kernel call stages out each platform's implementation and the lowering picks one
-    (for ``jax.export`` to a platform other than this process's default backend). JAX's tracing caches
-    keep staged traces apart from plain ones (:func:`polestar_jax.compat.separate_trace_cache`): a function
-    traced before, outside, is traced again here."""
-    from polestar_jax.compat import separate_trace_cache
-
-    token = _STAGED.set(True)
-    try:
-        with separate_trace_cache("polestar-kernels-staged"):
-            yield
-    finally:
-        _STAGED.reset(token)
+#: Within: every kernel call stages out each platform's implementation and the lowering picks one (for
+#: ``jax.export`` to a platform other than this process's default backend); JAX's tracing caches keep staged
+#: traces apart from plain ones, so a function traced before, outside, is traced again here.
+staged = compat.staged_kernels
 
 
 def dispatch(name: str, backend: str, args: tuple, *, reference: Callable, pallas: Callable[[str, bool], Callable],
@@ -123,7 +110,7 @@ def dispatch(name: str, backend: str, args: tuple, *, reference: Callable, palla
         return reference(*args)
     if backend == "interpret":
         return pallas(interpret_flavor, True)(*args)
-    if not _STAGED.get():  # (chosen now, for the backend a plain jax.jit lowers for)
+    if not compat.kernels_staged():  # (chosen now, for the backend a plain jax.jit lowers for)
         plat = _canonical_platform(None)
         kind = resolve_backend(backend, plat, name)
         if kind == "reference":

@@ -70,13 +70,15 @@ def cache_hits() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CompileRecord:
-    """One program's first use: ``lower_seconds`` tracing and lowering it (JAX; paid even on a cache hit),
-    ``compile_seconds`` XLA compiling it or, with ``cache_hit``, loading it from the persistent cache."""
+    """One program's first use: ``lower_seconds`` tracing and lowering it (JAX; paid even on a persistent-cache
+    hit), ``compile_seconds`` XLA compiling it or, with ``cache_hit``, loading it from the persistent cache or
+    (``stored``) from the executable store, which needs no tracing (:mod:`polestar_jax.executables`)."""
 
     what: str
     lower_seconds: float
     compile_seconds: float
     cache_hit: bool
+    stored: bool = False  # loaded from the executable store (polestar_jax.executables): nothing traced
 
     @property
     def seconds(self) -> float:
@@ -84,6 +86,8 @@ class CompileRecord:
 
     def line(self) -> str:
         """The progress line printed after it."""
+        if self.stored:
+            return f"loaded {self.what} from the executable store in {self.seconds:.2f}s (nothing traced)"
         if self.cache_hit:
             return (f"loaded {self.what} from the compilation cache in {self.seconds:.2f}s "
                     f"(tracing and lowering {self.lower_seconds:.2f}s, loading {self.compile_seconds:.2f}s)")
@@ -98,5 +102,7 @@ def compile_summary(records) -> str:
         return ""
     low = sum(r.lower_seconds for r in records)
     hits = sum(r.cache_hit for r in records)
+    stored = sum(r.stored for r in records)
     return (f" (tracing and lowering {low:.2f}s; {hits} of {len(records)} program{'s' if len(records) > 1 else ''}"
-            f" from the compilation cache)")
+            f" from the compilation cache" + (f", {stored} of them from the executable store" if stored else "")
+            + ")")

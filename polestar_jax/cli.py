@@ -15,6 +15,7 @@ way out, and because files are only ever renamed into place whole, nothing is le
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -92,11 +93,25 @@ def _on_interrupt(signum, frame) -> None:  # runs in the main thread
     os._exit(EXIT_INTERRUPTED)
 
 
+def _ignore_interrupts_in_teardown() -> None:
+    """atexit: the command is over; the interpreter's teardown follows (native libraries' destructors may
+    take a second), during which Python has no handler left and a SIGINT would kill the process by the
+    signal. Ignored instead: the process ends with the command's status."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_TEARDOWN_HOOK: list = []
+
+
 def run_main(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:
     """Runs ``fn(argv)`` as a command: ``PolestarError`` -> one ``error:`` line and exit 2, SIGINT at
-    any moment -> ``interrupted`` and exit 130 (see the module docstring). Returns the exit status."""
+    any moment -> ``interrupted`` and exit 130 (see the module docstring; after the command, during the
+    interpreter's teardown, it is ignored). Returns the exit status."""
     if threading.current_thread() is not threading.main_thread():  # called from a test thread etc.
         return report_errors(fn, argv)
+    if not _TEARDOWN_HOOK:
+        atexit.register(_ignore_interrupts_in_teardown)
+        _TEARDOWN_HOOK.append(True)
     previous = signal.signal(signal.SIGINT, _on_interrupt)
     result: dict[str, Any] = {}
 

@@ -26,17 +26,19 @@ small operands are padded to the kernel's block sizes in the wrapper (one code p
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import platform
 import re
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import jax
 from jax.experimental.compute_on import compute_on as _compute_on
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "COMPUTE_ON_KEYWORD_ONLY", "ABSTRACT_GPU_KIND", "parse_version",
-           "compute_on_host", "lowering_target", "export", "versions", "version_line", "distributed_joined",
-           "cluster_env_types", "backends_initialized", "separate_trace_cache", "wrap_compile_cache_put"]
+           "compute_on_host", "lowering_target", "staged_kernels", "kernels_staged", "export", "versions",
+           "version_line", "distributed_joined", "cluster_env_types", "backends_initialized", "trace_context",
+           "separate_trace_cache", "wrap_compile_cache_put"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -111,18 +113,37 @@ def lowering_target(platform: str, device_kind: str = ABSTRACT_GPU_KIND) -> Iter
         yield
 
 
+_STAGED = contextvars.ContextVar("polestar_kernels_staged", default=False)
+
+
+@contextlib.contextmanager
+def staged_kernels() -> Iterator[None]:
+    """Within: the kernels stage every platform's implementation and the lowering picks one
+    (:mod:`polestar_jax.kernels.backend`, where it is ``staged``), in traces kept apart from plain ones in
+    JAX's tracing caches (:func:`separate_trace_cache`)."""
+    token = _STAGED.set(True)
+    try:
+        with separate_trace_cache("polestar-kernels-staged"):
+            yield
+    finally:
+        _STAGED.reset(token)
+
+
+def kernels_staged() -> bool:
+    """Whether this thread is inside :func:`staged_kernels`."""
+    return _STAGED.get()
+
+
 def export(fun: Callable, *, platforms: Sequence[str], **kwargs: Any) -> Callable[..., "jax.export.Exported"]:
     """``jax.export.export(fun, platforms=platforms, **kwargs)`` whose call traces the kernels staged for
-    every platform (:func:`polestar_jax.kernels.backend.staged`) and lowers inside :func:`lowering_target`
+    every platform (:func:`staged_kernels`) and lowers inside :func:`lowering_target`
     (one platform at a time, as the kernels' dispatch needs; see :mod:`polestar_jax.kernels.backend`)."""
     platforms = tuple(platforms)
     exporter = jax.export.export(fun, platforms=platforms, **kwargs)
 
     def call(*args, **kw):
-        from polestar_jax.kernels.backend import staged
-
         with contextlib.ExitStack() as stack:
-            stack.enter_context(staged())
+            stack.enter_context(staged_kernels())
             for p in set(platforms):
                 stack.enter_context(lowering_target(p))
             return exporter(*args, **kw)
@@ -188,6 +209,19 @@ def backends_initialized() -> bool:
         return bool(xla_bridge.backends_are_initialized())
     except Exception:  # noqa: BLE001
         return False
+
+
+def trace_context() -> Optional[str]:
+    """JAX's trace context (the configuration its tracing caches key on: matmul precision, x64, ...) as text
+    that is the same in every process with the same settings (objects' addresses left out); None when this
+    JAX does not expose it."""
+    try:
+        from jax._src import config as _config
+
+        context = _config.trace_context()
+    except Exception:  # noqa: BLE001 - another JAX layout
+        return None
+    return re.sub(r" object at 0x[0-9a-fA-F]+", " object", repr(context))
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from polestar_jax import executables
 from polestar_jax.block import EngineSpec, Knobs, compact_width, decode_block
 from polestar_jax.cache import CompileRecord, cache_hits
 from polestar_jax.config import DecodeConfig, ModelConfig
@@ -279,19 +280,28 @@ class Engine:
         self._builders.clear()
 
     def _program(self, key, build: Callable[[], Any], what: str):
-        """The program cached under ``key`` (on first use: ``build()`` traces and lowers it, then XLA compiles
-        it or the persistent cache loads it); returns (program, seconds)."""
+        """The program cached under ``key`` (on first use: loaded from the executable store without tracing
+        (:mod:`polestar_jax.executables`), or ``build()`` traces and lowers it, then XLA compiles it or the
+        persistent cache loads it; the store keeps what XLA compiled); returns (program, seconds)."""
         if key in self._programs:
             self._programs.move_to_end(key)
             return self._programs[key], 0.0
         if self.log is not None:
             self.log(f"compiling {what} ...")
         t0 = time.perf_counter()
-        lowered = build()
-        t1 = time.perf_counter()
-        hits = cache_hits()
-        prog = lowered.compile()
-        rec = CompileRecord(what, t1 - t0, time.perf_counter() - t1, cache_hits() > hits)
+        folder = executables.store_folder() if self.mesh is None else None
+        name = executables.digest(key) if folder else None
+        prog = executables.load(folder, name) if name else None
+        if prog is not None:  # stored by an earlier process: no tracing at all
+            rec = CompileRecord(what, 0.0, time.perf_counter() - t0, True, stored=True)
+        else:
+            lowered = build()
+            t1 = time.perf_counter()
+            hits = cache_hits()
+            prog = lowered.compile()
+            rec = CompileRecord(what, t1 - t0, time.perf_counter() - t1, cache_hits() > hits)
+            if name and executables.freshly_compiled(prog, rec.compile_seconds, rec.cache_hit):
+                executables.save(folder, name, prog)
         self.compile_records.append(rec)
         if self.log is not None:
             self.log(rec.line())

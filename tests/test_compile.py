@@ -8,10 +8,13 @@ cache on the bundled model keeps the compiles short.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 
 import jax
 import pytest
 
+from polestar_jax import executables
 from polestar_jax import generate as gen_cli
 from polestar_jax.cache import CompileRecord, compile_summary
 from polestar_jax.config import DecodeConfig
@@ -58,8 +61,9 @@ def test_precompile_then_a_bucketed_job_compiles_nothing(bundled):
         assert row.index == r and row.tokens.tolist() == ref.tokens.tolist() and row.nfe == ref.nfe
 
 
-def test_a_second_engine_loads_from_the_persistent_cache(bundled):
+def test_a_second_engine_loads_from_the_persistent_cache(bundled, monkeypatch):
     cfg, params, tok = bundled
+    monkeypatch.setattr(executables, "store_folder", lambda: None)  # (JAX's cache alone: it traces again)
     first = Engine(params, cfg, tok).precompile(DUAL, [(2, 48)])
     jax.clear_caches()  # (else JAX's in-memory caches answer: the engines' own programs are unaffected)
     logged = []
@@ -71,6 +75,105 @@ def test_a_second_engine_loads_from_the_persistent_cache(bundled):
     assert logged[1].startswith("loaded the fastdllm block program") and "tracing and lowering" in logged[1]
     assert "1 of 1 program from the compilation cache" in compile_summary(second)
     assert compile_summary([]) == ""
+
+
+@pytest.fixture
+def store(monkeypatch, tmp_path):
+    """An empty executable store of this test's own."""
+    folder = str(tmp_path / "executables")
+    monkeypatch.setattr(executables, "store_folder", lambda: folder)
+    return folder
+
+
+def _traced(monkeypatch) -> list:
+    """Counts the traces of the block program from now on."""
+    import polestar_jax.engine as engine_mod
+
+    calls, real = [], engine_mod.decode_block
+
+    @functools.wraps(real)  # (its signature: jit finds the static "spec" by name)
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "decode_block", counted)
+    return calls
+
+
+def _own(gen_length: int) -> DecodeConfig:
+    """DUAL at a generation length no other test compiles: XLA compiles it here (only what XLA compiled in
+    this process is stored, not what JAX's caches answered)."""
+    return dataclasses.replace(DUAL, gen_length=gen_length, steps=gen_length)
+
+
+def test_a_second_engine_loads_from_the_executable_store_without_tracing(bundled, store, monkeypatch):
+    """What an engine compiled, a later engine (a later process: the store is on disk) loads without tracing
+    it, and decodes the same."""
+    cfg, params, tok = bundled
+    ids, dcfg = [tok.chat_prompt_ids(p) for p in PROMPTS[:2]], _own(40)
+    first = Engine(params, cfg, tok)
+    rec = first.precompile(dcfg, [(2, 48)])[0]
+    assert not rec.stored and rec.lower_seconds > 0 and len(os.listdir(store)) == 1
+    traced, logged = _traced(monkeypatch), []
+    second = Engine(params, cfg, tok, log=logged.append)
+    rec = second.precompile(dcfg, [(2, 48)])[0]
+    assert traced == [] and rec.stored and rec.cache_hit and rec.lower_seconds == 0.0
+    assert logged[1].startswith("loaded the fastdllm block program for batch 2, prompt slot 48") and \
+        "from the executable store" in logged[1]
+    assert "1 of 1 program from the compilation cache, 1 of them from the executable store" in compile_summary([rec])
+    a, b = first.run(ids, dcfg, prompt_slot=48), second.run(ids, dcfg, prompt_slot=48)
+    assert a.tokens.tolist() == b.tokens.tolist() and a.nfe.tolist() == b.nfe.tolist()
+
+
+def test_the_store_misses_when_code_settings_or_shapes_change(bundled, store, monkeypatch):
+    """A stored program is found only by the same code, JAX settings and shapes; a torn entry is dropped
+    and compiled again."""
+    cfg, params, tok = bundled
+    dcfg = _own(56)
+    Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])
+    key = ("block", "anything")
+    with jax.default_matmul_precision("bfloat16"):
+        other_precision = executables.digest(key)
+    assert executables.digest(key) not in (None, other_precision)
+    assert len(os.listdir(store)) == 1
+    monkeypatch.setattr(executables, "_code_fingerprint", lambda: "another version of the code")
+    traced = _traced(monkeypatch)
+    rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0]
+    assert not rec.stored and traced  # traced again (JAX's in-memory cache answers the compile: not stored)
+    rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 64)])[0]
+    assert not rec.stored and len(os.listdir(store)) == 2  # another shape: compiled and stored
+    for name in os.listdir(store):
+        with open(os.path.join(store, name), "wb") as f:
+            f.write(b"torn")
+    jax.clear_caches()
+    rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 64)])[0]
+    # the torn entry read was dropped; the program came from JAX's persistent cache (not stored again)
+    assert not rec.stored and rec.cache_hit and len(os.listdir(store)) == 1
+
+
+def test_what_jax_caches_loaded_is_never_stored(bundled, tmp_path, monkeypatch):
+    """An executable JAX's persistent cache loaded serializes without its kernels (its copy would fail when
+    run): neither it nor JAX's in-memory answer holding it is stored."""
+    cfg, params, tok = bundled
+    dcfg, folder = _own(72), str(tmp_path / "executables")
+    monkeypatch.setattr(executables, "store_folder", lambda: None)
+    Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])  # compiled: into the suite's persistent cache
+    jax.clear_caches()
+    assert Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0].cache_hit  # loaded from it
+    monkeypatch.setattr(executables, "store_folder", lambda: folder)
+    rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0]  # JAX's in-memory cache answers
+    assert not rec.stored and not os.path.exists(folder)
+
+
+def test_the_store_keeps_the_most_recently_used(tmp_path):
+    for i in range(5):
+        path = tmp_path / f"{i}.exe"
+        path.write_bytes(b"x")
+        os.utime(path, (1000 + i, 1000 + i))
+    (tmp_path / "old.tmp").write_bytes(b"x")
+    os.utime(tmp_path / "old.tmp", (1000, 1000))
+    executables._trim(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["3.exe", "4.exe"]
 
 
 def test_precompile_running_batch(bundled):

@@ -1,0 +1,186 @@
+"""Compiled programs kept on disk and found *without tracing* (the executable store).
+
+JAX's persistent compilation cache is keyed by the lowered program, so a hit still pays for tracing and
+lowering it (~1.3 s for Polestar's block program on the 2-core CPU, while loading takes ~0.3 s). The engine
+knows its programs by a key of plain values instead (the program kind, its :class:`EngineSpec` and the
+shapes, dtypes and shardings of its arguments: ``Engine._program``), so it can store the serialized
+executable (:mod:`jax.experimental.serialize_executable`) under a digest of that key and, in a later
+process, load it straight away.
+
+A stored program is only valid for the code and the setup that built it, so the digest also covers: the
+source of this package (every ``.py`` file of ``polestar_jax`` and its kernels), the JAX and jaxlib
+versions, the backend and its device kind, ``XLA_FLAGS``, and JAX's trace context (matmul precision, x64,
+...: :func:`polestar_jax.compat.trace_context`). Anything else that changes a program changes its key or
+its arguments' signature; a changed digest is a miss, never a wrong hit.
+
+Only programs XLA compiled in this process are stored (:func:`freshly_compiled`): an executable that JAX's
+persistent cache loaded serializes without its kernels (on the CPU, its copy fails when run, with
+"Function ... not found"), so a program found there -- or found in JAX's in-memory cache holding such a
+load -- is traced as before and stored the next time XLA compiles it.
+
+The store lives in ``executables/`` of the persistent cache folder (``$POLESTAR_JAX_CACHE``: on when the
+persistent cache is on, off with it), holds at most :data:`MAX_ENTRIES` programs (the least recently used
+go first) and is skipped for programs on several devices (a mesh) and in multi-process runs. An entry that
+cannot be read or loaded (another version, a torn file) is deleted and the program compiled as usual. Like
+the persistent cache, the folder holds native code: it must be writable by its user only.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any, Optional
+
+__all__ = ["MAX_ENTRIES", "store_folder", "digest", "freshly_compiled", "load", "save"]
+
+#: Programs kept in the store (each is a few MB for the bundled model; the oldest read go first).
+MAX_ENTRIES = 64
+#: An XLA compile of an engine program takes longer than this; an answer of JAX's in-memory cache is a lookup.
+FRESH_MIN_SECONDS = 0.01
+_SUFFIX = ".exe"
+_LOADED: "weakref.WeakSet" = weakref.WeakSet()  # executables JAX's persistent cache loaded in this process
+
+
+def freshly_compiled(compiled, seconds: float, cache_hit: bool) -> bool:
+    """Whether ``compiled`` (what ``Lowered.compile()`` returned after ``seconds``; ``cache_hit``: JAX's
+    persistent cache reported loading it) is XLA's own compile from this process, which alone serializes
+    whole: not a persistent-cache load, not an in-memory answer holding one (remembered here), and not any
+    in-memory answer at all (those take microseconds)."""
+    exe = getattr(compiled, "_executable", None)
+    if exe is None:
+        return False
+    if cache_hit:
+        try:
+            _LOADED.add(exe)
+        except TypeError:  # pragma: no cover - not weakly referable in this JAX
+            pass
+        return False
+    try:
+        if exe in _LOADED:
+            return False
+    except TypeError:  # pragma: no cover
+        return False
+    return seconds >= FRESH_MIN_SECONDS
+
+
+def store_folder() -> Optional[str]:
+    """The store's folder: ``executables/`` in JAX's persistent cache folder, or None when that cache is
+    off, JAX runs several processes, or this JAX cannot serialize executables."""
+    import jax
+
+    base = jax.config.jax_compilation_cache_dir
+    if not base or jax.process_count() > 1:
+        return None
+    try:
+        import jax.experimental.serialize_executable  # noqa: F401
+    except ImportError:  # pragma: no cover - a JAX without it
+        return None
+    return os.path.join(base, "executables")
+
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    """sha256 of this package's Python source (the kernels included), read once per process."""
+    import polestar_jax
+    import polestar_jax.kernels
+
+    h = hashlib.sha256()
+    for pkg in (polestar_jax, polestar_jax.kernels):
+        root = os.path.dirname(os.path.abspath(pkg.__file__))
+        for dirpath, dirnames, files in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def digest(key: Any) -> Optional[str]:
+    """The store's name for the program of ``key`` (a tuple of plain values whose ``repr`` names it: the
+    engine's program key) built by this code on this setup; None when the setup cannot be named (then the
+    program is not stored)."""
+    import jax
+    import jaxlib
+
+    from polestar_jax import compat
+
+    context = compat.trace_context()
+    if context is None:
+        return None
+    dev = jax.devices()[0]
+    parts = (_code_fingerprint(), jax.__version__, jaxlib.__version__, sys.version_info[:2], jax.default_backend(),
+             dev.device_kind, getattr(dev.client, "platform_version", ""), os.environ.get("XLA_FLAGS", ""),
+             context, repr(key))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def load(folder: str, name: str):
+    """The compiled program stored as ``name`` (:func:`digest`), or None (not stored, or unreadable: then
+    the entry is removed). Marks it as recently used."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    path = os.path.join(folder, name + _SUFFIX)
+    try:
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree = pickle.load(f)
+        compiled = deserialize_and_load(payload, in_tree, out_tree)
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a torn or foreign entry: drop it, compile as usual
+        _remove(path)
+        return None
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+    return compiled
+
+
+def save(folder: str, name: str, compiled) -> bool:
+    """Stores ``compiled`` (a ``jax.stages.Compiled``) as ``name``, atomically, then trims the store to
+    :data:`MAX_ENTRIES`; False when it cannot be serialized or written (nothing is stored then)."""
+    from jax.experimental.serialize_executable import serialize
+
+    try:
+        blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, os.path.join(folder, name + _SUFFIX))
+    except Exception:  # noqa: BLE001 - not serializable here (or the disk refused): just not stored
+        return False
+    _trim(folder)
+    return True
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _trim(folder: str, keep: int = MAX_ENTRIES) -> None:
+    """Removes the least recently used entries beyond ``keep`` (and temporary files over an hour old)."""
+    entries = []
+    now = time.time()
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        try:
+            mtime = os.path.getmtime(path)
+        except OSError:
+            continue
+        if name.endswith(_SUFFIX):
+            entries.append((mtime, path))
+        elif name.endswith(".tmp") and now - mtime > 3600:
+            _remove(path)
+    for _, path in sorted(entries, reverse=True)[keep:]:
+        _remove(path)
