@@ -14,7 +14,9 @@ Every kernel wrapper in this package takes ``backend=`` (one of :data:`KINDS`) a
 Where the platform is chosen:
 
 * by default, when the computation is *traced*, for this process's default backend
-  (``jax.default_backend()``: what ``jax.jit`` lowers for): only the chosen implementation is traced. (Each
+  (``jax.default_backend()``: what a plain ``jax.jit`` lowers for; a jit placed on another backend of the
+  same host, with ``jax.default_device`` or ``backend=``, must trace inside :func:`staged`): only the chosen
+  implementation is traced. (Each
   Pallas kernel costs tens of milliseconds to trace; staging out the Triton, Mosaic and reference versions
   of the ~50 kernel calls of Polestar's block program cost ~0.4 s of its tracing on a CPU.)
 * inside :func:`staged` (:func:`polestar_jax.compat.export` enters it), when it is *lowered*, with

@@ -94,24 +94,19 @@ def _on_interrupt(signum, frame) -> None:  # runs in the main thread
 
 
 def _ignore_interrupts_in_teardown() -> None:
-    """atexit: the command is over; the interpreter's teardown follows (native libraries' destructors may
-    take a second), during which Python has no handler left and a SIGINT would kill the process by the
-    signal. Ignored instead: the process ends with the command's status."""
+    """atexit, the first hook to run: the command is over; the exit hooks (JAX's among them) and the
+    interpreter's teardown follow (native libraries' destructors may take a second), where a SIGINT would
+    raise inside a hook or, once Python has no handler left, kill the process by the signal. Ignored
+    instead: the process ends with the command's status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-_TEARDOWN_HOOK: list = []
 
 
 def run_main(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:
     """Runs ``fn(argv)`` as a command: ``PolestarError`` -> one ``error:`` line and exit 2, SIGINT at
-    any moment -> ``interrupted`` and exit 130 (see the module docstring; after the command, during the
-    interpreter's teardown, it is ignored). Returns the exit status."""
+    any moment -> ``interrupted`` and exit 130 (see the module docstring; once the process exits, in its
+    exit hooks and the interpreter's teardown, it is ignored). Returns the exit status."""
     if threading.current_thread() is not threading.main_thread():  # called from a test thread etc.
         return report_errors(fn, argv)
-    if not _TEARDOWN_HOOK:
-        atexit.register(_ignore_interrupts_in_teardown)
-        _TEARDOWN_HOOK.append(True)
     previous = signal.signal(signal.SIGINT, _on_interrupt)
     result: dict[str, Any] = {}
 
@@ -127,6 +122,9 @@ def run_main(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequen
         while t.is_alive():
             t.join(0.05)
     finally:
+        # (registered last, after the hooks the command's imports registered: atexit runs it first)
+        atexit.unregister(_ignore_interrupts_in_teardown)
+        atexit.register(_ignore_interrupts_in_teardown)
         signal.signal(signal.SIGINT, previous)
     if "exc" in result:
         raise result["exc"]

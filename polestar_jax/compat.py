@@ -230,15 +230,18 @@ def separate_trace_cache(marker: str) -> Iterator[None]:
     trace of it made outside, nor the reverse (the kernels' staged traces, :mod:`polestar_jax.kernels.backend`).
     Done through ``jax_hlo_source_file_canonicalization_regex``, an option of JAX's trace context, extended by
     an alternative that matches nothing (the HLO's metadata stays as it was). A JAX without that option:
-    its caches are cleared on entry instead."""
+    its caches are cleared on entry and on exit instead."""
     try:
         from jax._src import config as _config
 
         state = _config.hlo_source_file_canonicalization_regex
         current = state.value
-    except Exception:  # noqa: BLE001 - another JAX layout: no keyed separation, start from empty caches
+    except Exception:  # noqa: BLE001 - another JAX layout: no keyed separation, empty caches on both sides
         jax.clear_caches()
-        yield
+        try:
+            yield
+        finally:
+            jax.clear_caches()
         return
     never = "(?!)" + re.escape(marker)  # (an empty lookahead never holds)
     with state(never if current is None else f"(?:{current})|{never}"):

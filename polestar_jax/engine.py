@@ -202,6 +202,15 @@ def _signature(tree) -> tuple:
     return (treedef, tuple((tuple(a.shape), str(a.dtype), getattr(a, "sharding", None)) for a in leaves))
 
 
+def _several_devices(key) -> bool:
+    """Whether a program key (nested tuples ending in shardings: :func:`_signature`) names an argument laid
+    out over several devices."""
+    if isinstance(key, tuple):
+        return any(_several_devices(k) for k in key)
+    devices = getattr(key, "device_set", None)
+    return devices is not None and len(devices) > 1
+
+
 def _mesh_of(tree):
     for leaf in jax.tree.leaves(tree):
         mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
@@ -260,7 +269,7 @@ class Engine:
         self.eos_ids = frozenset({config.eos_token_id, config.pad_token_id})
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self._builders: dict = {}  # the sharded state builders (with a mesh), one per layout and shape
-        self.compiles = 0  # programs compiled by this engine so far (cache hits of the persistent cache included)
+        self.compiles = 0  # programs compiled by this engine so far (loads from the caches and the store included)
         #: the latest compiles (:class:`CompileRecord`, oldest first; bounded)
         self.compile_records: collections.deque = collections.deque(maxlen=256)
 
@@ -289,7 +298,7 @@ class Engine:
         if self.log is not None:
             self.log(f"compiling {what} ...")
         t0 = time.perf_counter()
-        folder = executables.store_folder() if self.mesh is None else None
+        folder = executables.store_folder() if self.mesh is None and not _several_devices(key) else None
         name = executables.digest(key) if folder else None
         prog = executables.load(folder, name) if name else None
         if prog is not None:  # stored by an earlier process: no tracing at all
@@ -300,7 +309,8 @@ class Engine:
             hits = cache_hits()
             prog = lowered.compile()
             rec = CompileRecord(what, t1 - t0, time.perf_counter() - t1, cache_hits() > hits)
-            if name and executables.freshly_compiled(prog, rec.compile_seconds, rec.cache_hit):
+            # (asked whatever the store's state: it remembers what JAX's persistent cache loaded)
+            if executables.freshly_compiled(prog, rec.compile_seconds, rec.cache_hit) and name:
                 executables.save(folder, name, prog)
         self.compile_records.append(rec)
         if self.log is not None:

@@ -18,11 +18,12 @@ persistent cache loaded serializes without its kernels (on the CPU, its copy fai
 "Function ... not found"), so a program found there -- or found in JAX's in-memory cache holding such a
 load -- is traced as before and stored the next time XLA compiles it.
 
-The store lives in ``executables/`` of the persistent cache folder (``$POLESTAR_JAX_CACHE``: on when the
-persistent cache is on, off with it), holds at most :data:`MAX_ENTRIES` programs (the least recently used
+The store lives in ``executables/`` of JAX's persistent cache folder (``jax_compilation_cache_dir``, which
+the CLIs set from ``$POLESTAR_JAX_CACHE``: on when that cache is on, off with it), holds at most :data:`MAX_ENTRIES` programs (the least recently used
 go first) and is skipped for programs on several devices (a mesh) and in multi-process runs. An entry that
-cannot be read or loaded (another version, a torn file) is deleted and the program compiled as usual. Like
-the persistent cache, the folder holds native code: it must be writable by its user only.
+cannot be read or loaded (another version, a torn file) is deleted and the program compiled as usual; a
+stored program that fails when run is not detected (delete the folder). Like the persistent cache, the
+folder holds native code: it must be writable by its user only.
 """
 from __future__ import annotations
 
@@ -102,6 +103,20 @@ def _code_fingerprint() -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
+def _host_cpu() -> str:
+    """This host's CPU model and instruction-set flags (XLA's CPU code is built for them), from
+    ``/proc/cpuinfo`` where there is one, else the machine name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(dict.fromkeys(lines))
+    except OSError:
+        import platform
+
+        return platform.machine() + " " + platform.processor()
+
+
 def digest(key: Any) -> Optional[str]:
     """The store's name for the program of ``key`` (a tuple of plain values whose ``repr`` names it: the
     engine's program key) built by this code on this setup; None when the setup cannot be named (then the
@@ -116,8 +131,8 @@ def digest(key: Any) -> Optional[str]:
         return None
     dev = jax.devices()[0]
     parts = (_code_fingerprint(), jax.__version__, jaxlib.__version__, sys.version_info[:2], jax.default_backend(),
-             dev.device_kind, getattr(dev.client, "platform_version", ""), os.environ.get("XLA_FLAGS", ""),
-             context, repr(key))
+             dev.device_kind, getattr(dev.client, "platform_version", ""), _host_cpu(),
+             os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""), context, repr(key))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -148,6 +163,7 @@ def save(folder: str, name: str, compiled) -> bool:
     :data:`MAX_ENTRIES`; False when it cannot be serialized or written (nothing is stored then)."""
     from jax.experimental.serialize_executable import serialize
 
+    tmp = None
     try:
         blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
         os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -155,8 +171,12 @@ def save(folder: str, name: str, compiled) -> bool:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, os.path.join(folder, name + _SUFFIX))
+        tmp = None
     except Exception:  # noqa: BLE001 - not serializable here (or the disk refused): just not stored
         return False
+    finally:
+        if tmp is not None:
+            _remove(tmp)
     _trim(folder)
     return True
 
@@ -184,3 +204,6 @@ def _trim(folder: str, keep: int = MAX_ENTRIES) -> None:
             _remove(path)
     for _, path in sorted(entries, reverse=True)[keep:]:
         _remove(path)
+
+
+_code_fingerprint()  # (read now, with the code as imported, not at the first compile)

@@ -221,7 +221,8 @@ def test_kernels_trace_every_branch(case, backend):
 def test_kernels_outside_staged_trace_only_the_local_choice(case):
     """A plain trace picks the implementation of this process's backend then: on this CPU ``auto`` traces
     the reference alone (no Pallas kernel, no platform switch), ``pallas`` the interpreter's kernel."""
-    assert jax.default_backend() == "cpu"
+    if jax.default_backend() != "cpu":
+        pytest.skip("the local choice checked here is the CPU's")
     f, args = AWKWARD[case]
     texts = {}
     for backend in ("auto", "pallas"):

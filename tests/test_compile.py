@@ -165,6 +165,23 @@ def test_what_jax_caches_loaded_is_never_stored(bundled, tmp_path, monkeypatch):
     assert not rec.stored and not os.path.exists(folder)
 
 
+def test_a_later_process_runs_what_the_store_holds(subprocess_env, tmp_path):
+    """The store's purpose, end to end: a command compiles and stores its program; the same command in a new
+    process loads it without tracing and prints the same answer (a stored program that lost its kernels
+    would fail here, when run)."""
+    import subprocess
+    import sys
+
+    env = dict(subprocess_env, POLESTAR_JAX_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "polestar_jax.generate", "--prompt", PROMPTS[0], "--decoder", "fastdllm",
+           "--cache", "dual", "--gen-length", "32", "--block-length", "8"]
+    runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[1].stderr[-2000:]
+    assert "from the executable store" not in runs[0].stderr and len(os.listdir(tmp_path / "cache" / "executables")) == 1
+    assert "from the executable store" in runs[1].stderr and "1 of them from the executable store" in runs[1].stdout
+    assert runs[1].stdout.splitlines()[:2] == runs[0].stdout.splitlines()[:2]
+
+
 def test_the_store_keeps_the_most_recently_used(tmp_path):
     for i in range(5):
         path = tmp_path / f"{i}.exe"

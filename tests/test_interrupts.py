@@ -28,8 +28,10 @@ def _interrupt_after(delay: float, env: dict) -> tuple[int, str, str, float]:
     finally:
         if p.poll() is None:
             p.kill()
-    # (the compile progress lines, "compiling ..." / "compiled ... in", may come before the interrupt)
-    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith(("compiling ", "compiled ")))
+    # (the compile progress lines, "compiling ..." / "compiled ... in" / "loaded ... from", may come before the
+    # interrupt)
+    err = "".join(line for line in err.splitlines(keepends=True)
+                  if not line.startswith(("compiling ", "compiled ", "loaded ")))
     return p.returncode, out, err, time.monotonic() - sent
 
 
