@@ -16,9 +16,9 @@ Where the platform is chosen:
 * by default, when the computation is *traced*, for this process's default backend
   (``jax.default_backend()``: what a plain ``jax.jit`` lowers for; a jit placed on another backend of the
   same host, with ``jax.default_device`` or ``backend=``, must trace inside :func:`staged`): only the chosen
-  implementation is traced. (Each
-  Pallas kernel costs tens of milliseconds to trace; staging out the Triton, Mosaic and reference versions
-  of the ~50 kernel calls of Polestar's block program cost ~0.4 s of its tracing on a CPU.)
+  implementation is traced. (Staging out the Triton, Mosaic and reference versions of every kernel call
+  cost Polestar's block program 0.6-1.0 s of its 1.9-2.3 s of tracing and lowering on the 2-core CPU:
+  bench/README.md, compile time.)
 * inside :func:`staged` (:func:`polestar_jax.compat.export` enters it), when it is *lowered*, with
   :func:`jax.lax.platform_dependent`: ``jax.export(..., platforms=["cuda"])`` of an ``auto`` call from a
   CPU-only host gets the Triton kernel, ``platforms=["tpu"]`` the Mosaic kernel. (Export one platform at a

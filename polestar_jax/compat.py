@@ -18,8 +18,8 @@ Not a version switch, but the reason the kernels look as they do (see :mod:`pole
 from jax 0.12 a Pallas ref slice with a *static* start is bounds-checked at trace time (0.10 skipped the
 check when the start was 0), and an export staged for every platform (:func:`export`, with
 :func:`jax.lax.platform_dependent`) traces every platform's branch, so the Triton kernels are traced on CPU
-too. The kernels therefore never slice a ref statically past its end: the
-small operands are padded to the kernel's block sizes in the wrapper (one code path for every version).
+too. The kernels therefore never slice a ref statically past its end: the small operands are padded to the
+kernel's block sizes in the wrapper (one code path for every version).
 
 ``python -m polestar_jax.compat`` prints the versions that matter (Python, jax, jaxlib, flax, orbax, ...).
 """

@@ -8,9 +8,10 @@ executable (:mod:`jax.experimental.serialize_executable`) under a digest of that
 process, load it straight away.
 
 A stored program is only valid for the code and the setup that built it, so the digest also covers: the
-source of this package (every ``.py`` file of ``polestar_jax`` and its kernels), the JAX and jaxlib
-versions, the backend and its device kind, ``XLA_FLAGS``, and JAX's trace context (matmul precision, x64,
-...: :func:`polestar_jax.compat.trace_context`). Anything else that changes a program changes its key or
+source of this package (every ``.py`` file of ``polestar_jax`` and its kernels, read at import), the JAX
+and jaxlib versions, Python's, the backend and its device kind, the host CPU's model and flags,
+``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``, and JAX's trace context (matmul precision, x64, ...:
+:func:`polestar_jax.compat.trace_context`). Anything else that changes a program changes its key or
 its arguments' signature; a changed digest is a miss, never a wrong hit.
 
 Only programs XLA compiled in this process are stored (:func:`freshly_compiled`): an executable that JAX's
@@ -19,8 +20,9 @@ persistent cache loaded serializes without its kernels (on the CPU, its copy fai
 load -- is traced as before and stored the next time XLA compiles it.
 
 The store lives in ``executables/`` of JAX's persistent cache folder (``jax_compilation_cache_dir``, which
-the CLIs set from ``$POLESTAR_JAX_CACHE``: on when that cache is on, off with it), holds at most :data:`MAX_ENTRIES` programs (the least recently used
-go first) and is skipped for programs on several devices (a mesh) and in multi-process runs. An entry that
+the CLIs set from ``$POLESTAR_JAX_CACHE``: on when that cache is on, off with it), holds at most
+:data:`MAX_ENTRIES` programs (the least recently used go first) and is skipped for programs whose arguments
+lie on several devices and in multi-process runs. An entry that
 cannot be read or loaded (another version, a torn file) is deleted and the program compiled as usual; a
 stored program that fails when run is not detected (delete the folder). Like the persistent cache, the
 folder holds native code: it must be writable by its user only.
@@ -32,7 +34,6 @@ import hashlib
 import os
 import pickle
 import sys
-import tempfile
 import time
 import weakref
 from typing import Any, Optional
@@ -163,20 +164,14 @@ def save(folder: str, name: str, compiled) -> bool:
     :data:`MAX_ENTRIES`; False when it cannot be serialized or written (nothing is stored then)."""
     from jax.experimental.serialize_executable import serialize
 
-    tmp = None
+    from polestar_jax.cli import atomic_write
+
     try:
         blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, os.path.join(folder, name + _SUFFIX))
-        tmp = None
+        atomic_write(os.path.join(folder, name + _SUFFIX), blob)
     except Exception:  # noqa: BLE001 - not serializable here (or the disk refused): just not stored
         return False
-    finally:
-        if tmp is not None:
-            _remove(tmp)
     _trim(folder)
     return True
 
@@ -198,10 +193,11 @@ def _trim(folder: str, keep: int = MAX_ENTRIES) -> None:
             mtime = os.path.getmtime(path)
         except OSError:
             continue
-        if name.endswith(_SUFFIX):
+        if name.startswith(".tmp-"):  # (cli.atomic_write's: another process may be writing it)
+            if now - mtime > 3600:
+                _remove(path)
+        elif name.endswith(_SUFFIX):
             entries.append((mtime, path))
-        elif name.endswith(".tmp") and now - mtime > 3600:
-            _remove(path)
     for _, path in sorted(entries, reverse=True)[keep:]:
         _remove(path)
 

@@ -187,10 +187,11 @@ def test_the_store_keeps_the_most_recently_used(tmp_path):
         path = tmp_path / f"{i}.exe"
         path.write_bytes(b"x")
         os.utime(path, (1000 + i, 1000 + i))
-    (tmp_path / "old.tmp").write_bytes(b"x")
-    os.utime(tmp_path / "old.tmp", (1000, 1000))
+    (tmp_path / ".tmp-old.exe").write_bytes(b"x")
+    os.utime(tmp_path / ".tmp-old.exe", (1000, 1000))
+    (tmp_path / ".tmp-now.exe").write_bytes(b"x")  # (being written by another process)
     executables._trim(str(tmp_path), keep=2)
-    assert sorted(os.listdir(tmp_path)) == ["3.exe", "4.exe"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-now.exe", "3.exe", "4.exe"]
 
 
 def test_precompile_running_batch(bundled):
