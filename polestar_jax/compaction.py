@@ -8,6 +8,8 @@ static, so the subset is compacted to a fixed width: ``compact(mask, w)`` lists 
 smallest one that holds the largest count in the batch: width 0 does no row work and moves nothing, width
 ``R`` is a dense refresh. No row is ever dropped, so the result does not depend on ``q``; ``q`` trades
 compile time (one branch per width) for fewer rows gathered, computed and moved between host and device.
+The stages that read and write the hidden-state store compact only a store in host memory
+(:func:`store_widths`).
 
 Arrays: ``mask`` [b, R] bool; ``idx`` [b, w] int32 row numbers; ``valid`` [b, w] bool.
 """
@@ -25,7 +27,7 @@ from polestar_jax.config import PolestarConfig
 
 T = TypeVar("T")
 
-__all__ = ["widths", "complement_widths", "compact", "take_rows", "spread_rows", "chosen_width", "by_width"]
+__all__ = ["widths", "store_widths", "complement_widths", "compact", "take_rows", "spread_rows", "chosen_width", "by_width"]
 
 
 def widths(pc: PolestarConfig, n_rows: int) -> tuple[int, ...]:
@@ -35,10 +37,20 @@ def widths(pc: PolestarConfig, n_rows: int) -> tuple[int, ...]:
     return tuple(sorted({0, n_rows} | {-(-n_rows * i // q) for i in range(1, q)}))
 
 
+def store_widths(pc: PolestarConfig, n_rows: int, host: bool) -> tuple[int, ...]:
+    """The widths compiled for the refresh stages that read and write the hidden-state store: :func:`widths`
+    when the store is in host memory (``host``: each row moved costs a host<->device copy), else the one
+    width ``n_rows``: reading or writing rows of a store in device memory costs about the same at any
+    width, and one branch compiles instead of ``refresh_buckets + 1``."""
+    return widths(pc, n_rows) if host else (n_rows,)
+
+
 def complement_widths(ws: Sequence[int], n_rows: int) -> tuple[int, ...]:
-    """``ws`` together with ``n_rows - w`` for each ``w`` of ``ws``: the widths of a stage that reads what an
-    earlier stage of width ``w`` left out (at most ``n_rows - w`` rows), so the two never exceed ``n_rows``."""
-    return tuple(sorted(set(ws) | {n_rows - w for w in ws}))
+    """The widths of a stage that reads what an earlier stage of a width ``w`` of ``ws`` left out (at most
+    ``n_rows - w`` rows, so the two never exceed ``n_rows``): ``n_rows - w`` for each ``w``, and the widths
+    of ``ws`` below ``n_rows - min(ws)`` (the most such a stage can need)."""
+    most = n_rows - min(ws)
+    return tuple(sorted({w for w in ws if w <= most} | {n_rows - w for w in ws}))
 
 
 def compact(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:

@@ -29,7 +29,7 @@ from polestar_jax.drift import drift_delta, push_history
 from polestar_jax.family import family_of
 from polestar_jax.polestar_start import cluster_layers, start_pass
 from polestar_jax.polestar_state import geometry, rows_at
-from polestar_jax.polestar_step import StepForwardOut, step_forward
+from polestar_jax.polestar_step import StepForwardOut, step_layers, step_tail
 from polestar_jax.rows import batch_any
 from polestar_jax.state import DecodeState, select_rows
 
@@ -131,9 +131,10 @@ def _forward(ctx: BlockCtx, state: DecodeState, geo, cluster) -> StepForwardOut:
     if ctx.replay is not None:
         at = lambda a: jnp.swapaxes(at_forward(a, state.nfe), 0, 1)
         forced = (at(ctx.replay.topk), at(ctx.replay.topk_forced))
-    fwd = lambda r: (lambda: step_forward(ctx.params, state, geo, ctx.cfg, pc, ctx.block, r, cluster, forced,
-                                          ctx.spec.unroll))
-    return lax.cond(batch_any(cluster), fwd(True), fwd(False)) if pc.refresh else fwd(False)()
+    fwd = lambda r: (lambda: step_layers(ctx.params, state, geo, ctx.cfg, pc, ctx.block, r, cluster, forced,
+                                         ctx.spec.unroll))
+    lay = lax.cond(batch_any(cluster), fwd(True), fwd(False)) if pc.refresh else fwd(False)()
+    return step_tail(ctx.params, state, ctx.cfg, pc, ctx.block, lay)  # (once, after either layer pass)
 
 
 def _early(ctx: BlockCtx, conf, masked, delta, active):

@@ -2,7 +2,8 @@
 of the refresh window's top-drift clusters in the same layer pass.
 
 A refreshing layer runs three stages, each over the compacted rows it needs, at the smallest compiled
-width that holds them (:mod:`polestar_jax.compaction`):
+width that holds them (:mod:`polestar_jax.compaction`; stages 1 and 2 compact only a store in host memory,
+:func:`polestar_jax.compaction.store_widths`):
 
 1. :func:`patch_packet`: the *packet* (rows the previous layer recomputed): their stored inputs are read
    (for the centroid shift) and overwritten with the new ones, and their K/V are projected with the block's
@@ -24,14 +25,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from polestar_jax.commit import rank_desc
-from polestar_jax.compaction import by_width, chosen_width, compact, complement_widths, spread_rows, take_rows, widths
+from polestar_jax.compaction import (by_width, chosen_width, compact, complement_widths, spread_rows, store_widths,
+                                    take_rows, widths)
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.drift import proxy_inputs
 from polestar_jax.family import Family, family_of
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
 from polestar_jax.model import Keys, Rope, layer_scan, slice_write
-from polestar_jax.offload import fetch_rows, write_rows
+from polestar_jax.offload import fetch_rows, uses_host, write_rows
 from polestar_jax.polestar_state import Geometry, rows_at
 from polestar_jax.state import DecodeState
 
@@ -106,7 +108,8 @@ class StepCtx(NamedTuple):
     ref_idx: jax.Array  # [b, R] cache positions of the window rows
     ref_qpos: jax.Array  # [b, R] their RoPE positions
     cluster_rows: jax.Array  # [b] rows that refresh in this step
-    widths: tuple  # compiled stage widths (compaction.widths)
+    widths: tuple  # compiled widths of stage 3 (compaction.widths; its 0 unused)
+    store_widths: tuple  # compiled widths of stage 1 (compaction.store_widths)
 
     @property
     def rows(self) -> int:
@@ -198,6 +201,11 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
         def run():
             if w == 0:
                 return xs.store, jnp.zeros_like(carry.pk_h), jnp.zeros_like(carry.pk_valid)
+            if w == r_rows:  # every row, in place: nothing to compact
+                every = jnp.ones_like(carry.pk_valid)
+                idx = jnp.broadcast_to(jnp.arange(r_rows, dtype=jnp.int32), every.shape)
+                got = fetch_rows(xs.store[0], xs.store[1], idx, every, pc, dt)
+                return write_rows(xs.store[0], xs.store[1], idx, patch, carry.pk_h, pc), got, every
             idx, val = compact(carry.pk_valid, w)
             ones = jnp.ones_like(val)
             # the w rows move whole (padding rows too: they are distinct real rows), and stage 2 reuses them
@@ -208,7 +216,7 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
         return run
 
     n_pk = jnp.sum(carry.pk_valid, axis=1)
-    store, got, have = by_width(n_pk, ctx.widths, stage)
+    store, got, have = by_width(n_pk, ctx.store_widths, stage)
     # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
     old = jnp.where(patch[..., None], got, jnp.zeros((), dt))
     cent = centroid_shift(xs.centroids, xs.labels, xs.counts, patch, old, carry.pk_h, backend=pc.kernels)
@@ -218,7 +226,7 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
     wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
     kk = scatter_kv_rows(kk, k[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
     vv = scatter_kv_rows(vv, v[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
-    return Packet(store, got, have, cent, kk, vv, chosen_width(n_pk, ctx.widths))
+    return Packet(store, got, have, cent, kk, vv, chosen_width(n_pk, ctx.store_widths))
 
 
 class Selection(NamedTuple):
@@ -258,7 +266,7 @@ def fetch_selected(ctx: StepCtx, carry: Carry, xs: LayerIn, pk: Packet, sel: Sel
             return spread_rows(rows, idx, val, ctx.rows)
         return run
 
-    n_need, ws2 = jnp.sum(need, axis=1), complement_widths(ctx.widths, ctx.rows)
+    n_need, ws2 = jnp.sum(need, axis=1), complement_widths(ctx.store_widths, ctx.rows)
     fetched = by_width(n_need, ws2, stage)
     inputs = jnp.where(carry.pk_valid[..., None], carry.pk_h,
                        jnp.where(pk.have[..., None], pk.got, fetched))
@@ -304,14 +312,24 @@ def step_ctx(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarCo
     return StepCtx(cfg, family_of(cfg), pc, block, geo, state.key_valid, Rope.at(state.pos, cfg), blk_pos,
                    Rope.at(blk_pos, cfg),
                    jnp.broadcast_to(geo.ref_pos, geo.ref_valid.shape).astype(jnp.int32),
-                   rows_at(state.pos, geo.ref_pos), cluster_rows, widths(pc, pc.window_rows(block)))
+                   rows_at(state.pos, geo.ref_pos), cluster_rows, widths(pc, pc.window_rows(block)),
+                   store_widths(pc, pc.window_rows(block), uses_host(pc)))
 
 
-def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
-                 refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]],
-                 unroll: int | bool = 1) -> StepForwardOut:
-    """One decode-step forward of the block against the cache; with ``refresh`` the sparse refresh of
-    the rows of the top-drift clusters runs in the same layer pass (for rows with ``cluster_rows`` [b])."""
+class StepLayers(NamedTuple):
+    """What the layer pass of a decode step hands to its tail (:func:`step_layers`, then :func:`step_tail`):
+    the last layer's carry (block rows, queries, rotated keys) and the step's outputs without the token
+    drift, the block attention rows and the block logits (``None`` until the tail)."""
+
+    carry: Carry
+    out: StepForwardOut
+
+
+def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+                refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]],
+                unroll: int | bool = 1) -> StepLayers:
+    """The layer pass of a decode step: the block against the cache; with ``refresh`` the sparse refresh of
+    the rows of the top-drift clusters runs in the same pass (for rows with ``cluster_rows`` [b])."""
     pol, b, n_layers = state.polestar, state.x.shape[0], cfg.n_layers
     pre, suf = pc.prefix_rows(block), pc.suffix_rows(block)
     ctx = step_ctx(state, geo, cfg, pc, block, cluster_rows)
@@ -334,19 +352,39 @@ def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc
 
     carry, (outs, stats), (k_new, v_new) = layer_scan(body, carry0, xs._replace(k_cache=None, v_cache=None),
                                                       (state.k_cache, state.v_cache), unroll=unroll)
-    outs = outs._replace(k=k_new, v=v_new)
     hs, hs_scale = outs.store if refresh else (pol.hs, pol.hs_scale)
-    drift, p_blk = kl_drift(carry.q_blk, carry.k_rot, state.key_valid, pol.p_prev, mode="token", backend=pc.kernels)
-    logits = fam.head_at(params, carry.h_blk, cfg, 0, block)
     if refresh and suf:  # (the refreshed rows predict their own positions)
         logits_suf, sel_suf = fam.lm_head(params, carry.pk_h[:, pre:], cfg), carry.pk_valid[:, pre:]
     else:
-        logits_suf = jnp.zeros((b, suf, logits.shape[-1]), jnp.float32)
+        head = jax.eval_shape(lambda h: fam.lm_head(params, h, cfg), carry.pk_h[:, pre:])  # (its vocabulary width)
+        logits_suf = jnp.zeros(head.shape, jnp.float32)
         sel_suf = jnp.zeros((b, suf), bool)
     moved = jnp.where(cluster_rows[None, :], (stats.n_read + stats.n_fetch)[:, None], 0).astype(jnp.int32)
-    return StepForwardOut(outs.k, outs.v, hs, hs_scale, outs.centroids, outs.s_prev, p_blk, drift, logits,
-                          logits_suf, sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved)
+    return StepLayers(carry, StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, outs.s_prev, None, None,
+                                            None, logits_suf, sel_suf, stats.scores, stats.selected, stats.own,
+                                            stats.n_rows, moved))
 
 
-__all__ = ["StepForwardOut", "step_forward", "tie_groups", "top_clusters", "patch_packet", "select_clusters",
-           "fetch_selected", "refresh_rows", "plain_layer", "refresh_layer", "Carry", "LayerIn", "LayerStats"]
+def step_tail(params, state: DecodeState, cfg: ModelConfig, pc: PolestarConfig, block: int,
+              lay: StepLayers) -> StepForwardOut:
+    """The token drift of the last layer's block attention and the block logits, after the layer pass (one
+    copy in the program, whichever layer pass ran)."""
+    c = lay.carry
+    drift, p_blk = kl_drift(c.q_blk, c.k_rot, state.key_valid, state.polestar.p_prev, mode="token",
+                            backend=pc.kernels)
+    return lay.out._replace(p_blk=p_blk, drift=drift, logits=family_of(cfg).head_at(params, c.h_blk, cfg, 0, block))
+
+
+def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
+                 refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]],
+                 unroll: int | bool = 1) -> StepForwardOut:
+    """One decode-step forward of the block against the cache; with ``refresh`` the sparse refresh of
+    the rows of the top-drift clusters runs in the same layer pass (for rows with ``cluster_rows`` [b]):
+    :func:`step_layers`, then :func:`step_tail`."""
+    lay = step_layers(params, state, geo, cfg, pc, block, refresh, cluster_rows, forced, unroll)
+    return step_tail(params, state, cfg, pc, block, lay)
+
+
+__all__ = ["StepForwardOut", "StepLayers", "step_forward", "step_layers", "step_tail", "tie_groups", "top_clusters",
+           "patch_packet", "select_clusters", "fetch_selected", "refresh_rows", "plain_layer", "refresh_layer",
+           "Carry", "LayerIn", "LayerStats"]

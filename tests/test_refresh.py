@@ -37,6 +37,14 @@ def test_widths():
     for bad in (0, -1, 1.5):
         with pytest.raises(ConfigError, match="refresh_buckets"):
             PolestarConfig(refresh_buckets=bad)
+    # the store's stages: compacted only in host memory; stage 2 complements stage 1 (never beyond R rows)
+    pc = PolestarConfig(refresh_buckets=4)
+    assert RF.store_widths(pc, 24, host=True) == (0, 6, 12, 18, 24)
+    assert RF.store_widths(pc, 24, host=False) == (24,)
+    assert RF.complement_widths((0, 6, 12, 18, 24), 24) == (0, 6, 12, 18, 24)
+    assert RF.complement_widths((0, 10, 24), 24) == (0, 10, 14, 24)
+    assert RF.complement_widths((24,), 24) == (0,)  # stage 1 read every row: nothing left for stage 2
+    assert RF.complement_widths((8, 24), 24) == (0, 8, 16)  # at most 24 - 8 rows remain
 
 
 def test_compact_take_spread():
@@ -128,13 +136,14 @@ def _started(params, cfg, pc):
     return f(params, st)
 
 
-@pytest.mark.parametrize("mode,buckets", [("none", (1, 4, 6)), ("int8", (1, 4))])
+@pytest.mark.parametrize("mode,buckets", [("none", (1, 4)), ("int8", (1, 4, 6))])
 def test_refresh_step_same_at_every_bucket_count(tiny_p, mode, buckets):
     """One refresh step at 1 bucket (every stage dense over all R rows) and more buckets (4: the default;
-    6: widths of 4 rows), with the exact store and with the int8 host store (its rows gathered / scattered
-    on the host): the same clusters are selected and the same rows recomputed, and the logits, K/V,
-    centroids and the store agree (to float rounding: different matmul shapes); the rows read from the
-    store per layer are the stage widths the selections need, at most the dense read."""
+    6: widths of 4 rows), with the exact store (in device memory) and with the int8 host store (its rows
+    gathered / scattered on the host): the same clusters are selected and the same rows recomputed, and the
+    logits, K/V, centroids and the store agree (to float rounding: different matmul shapes); the rows read
+    from a host store per layer are the stage widths the selections need, at most the dense read; a store in
+    device memory is read whole (one compiled width)."""
     cfg, params = tiny_p
     start = _started(params, cfg, PolestarConfig(offload_hidden=mode))
     cs = start.x.shape[1] - GEN + BLOCK
@@ -173,6 +182,9 @@ def test_refresh_step_same_at_every_bucket_count(tiny_p, mode, buckets):
     n_rows = np.asarray(dense.n_rows)  # [N, b] rows recomputed per layer (= the next layer's packet)
     moved = {q: np.asarray(outs[q].moved_rows) for q in outs}  # [N, b]
     assert (moved[1] == R).all()
+    if not OF.uses_host(PolestarConfig(offload_hidden=mode)):
+        assert all((m == R).all() for m in moved.values())
+        return
     for q in buckets[1:]:
         ws = RF.widths(PolestarConfig(refresh_buckets=q), R)
         assert (moved[q] <= R).all()
