@@ -118,12 +118,15 @@ class _RowCtx(NamedTuple):
 
 
 def _take(tree, axes, idx):
-    return jax.tree.map(lambda a, ax: a if ax is None else jnp.take(a, idx, axis=ax), tree, axes)
+    """The rows ``idx`` [w] (distinct, in range: :func:`_chunked`) of every leaf along its batch axis."""
+    return jax.tree.map(lambda a, ax: a if ax is None else a.at[(slice(None),) * ax + (idx,)].get(
+        mode="promise_in_bounds", unique_indices=True), tree, axes)
 
 
 def _put(tree, axes, idx, sub):
-    return jax.tree.map(lambda a, ax, v: a if ax is None else a.at[(slice(None),) * ax + (idx,)].set(v),
-                        tree, axes, sub)
+    """Every leaf with ``sub``'s rows written at ``idx`` [w] (distinct, in range) along its batch axis."""
+    return jax.tree.map(lambda a, ax, v: a if ax is None else a.at[(slice(None),) * ax + (idx,)].set(
+        v, mode="promise_in_bounds", unique_indices=True), tree, axes, sub)
 
 
 def _chunked(carry, mask: jax.Array, w: int, fn):
