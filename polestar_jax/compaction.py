@@ -48,7 +48,7 @@ def store_widths(pc: PolestarConfig, n_rows: int, host: bool) -> tuple[int, ...]
 def complement_widths(ws: Sequence[int], n_rows: int) -> tuple[int, ...]:
     """The widths of a stage that reads what an earlier stage of a width ``w`` of ``ws`` left out (at most
     ``n_rows - w`` rows, so the two never exceed ``n_rows``): ``n_rows - w`` for each ``w``, and the widths
-    of ``ws`` below ``n_rows - min(ws)`` (the most such a stage can need)."""
+    of ``ws`` of at most ``n_rows - min(ws)`` (the most such a stage can need)."""
     most = n_rows - min(ws)
     return tuple(sorted({w for w in ws if w <= most} | {n_rows - w for w in ws}))
 

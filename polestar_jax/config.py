@@ -390,9 +390,9 @@ class PolestarConfig:
                                     "span's first logits row (a shifted family's block-only forward) the later "
                                     "one ranks first (the official Dream code's choice)",
                           choices=TieBreak.choices())
-    refresh_buckets: int = knob(4, "a refresh computes and moves only the rows it selects, rounded up to one "
-                                   "of this many compiled sizes (more: less work per refresh, longer compile; "
-                                   "1: always every window row); tokens never depend on it")
+    refresh_buckets: int = knob(4, "a refresh computes (and, from a host store, moves) only the rows it "
+                                   "selects, rounded up to one of this many compiled sizes (more: less work per "
+                                   "refresh, longer compile; 1: always every window row); tokens never depend on it")
 
     def __post_init__(self):
         object.__setattr__(self, "kernels", as_mode(Kernels, self.kernels, "Polestar kernels"))

@@ -90,7 +90,7 @@ class StepForwardOut(NamedTuple):
     selected: jax.Array  # [N, b, K]
     own: jax.Array  # [N, b, K]
     n_rows: jax.Array  # [N, b]
-    moved_rows: jax.Array  # [N, b] store rows moved to the device (stage widths 1 + 2; 0 without refresh)
+    moved_rows: jax.Array  # [N, b] store rows read (stage widths 1 + 2: R with a device store; 0 without refresh)
 
 
 class StepCtx(NamedTuple):

@@ -136,14 +136,18 @@ def _started(params, cfg, pc):
     return f(params, st)
 
 
-@pytest.mark.parametrize("mode,buckets", [("none", (1, 4)), ("int8", (1, 4, 6))])
-def test_refresh_step_same_at_every_bucket_count(tiny_p, mode, buckets):
+@pytest.mark.parametrize("mode,buckets,host", [("none", (1, 4), True), ("int8", (1, 4, 6), True),
+                                               ("int8", (1, 4), False)])
+def test_refresh_step_same_at_every_bucket_count(tiny_p, monkeypatch, mode, buckets, host):
     """One refresh step at 1 bucket (every stage dense over all R rows) and more buckets (4: the default;
-    6: widths of 4 rows), with the exact store (in device memory) and with the int8 host store (its rows
-    gathered / scattered on the host): the same clusters are selected and the same rows recomputed, and the
-    logits, K/V, centroids and the store agree (to float rounding: different matmul shapes); the rows read
-    from a host store per layer are the stage widths the selections need, at most the dense read; a store in
-    device memory is read whole (one compiled width)."""
+    6: widths of 4 rows), with the exact store (in device memory), the int8 host store (its rows gathered /
+    scattered on the host) and the int8 store kept in device memory (a backend without host memory, here
+    simulated): the same clusters are selected and the same rows recomputed, and the logits, K/V, centroids
+    and the store agree (to float rounding: different matmul shapes); the rows read from a host store per
+    layer are the stage widths the selections need, at most the dense read; a store in device memory is read
+    whole (one compiled width)."""
+    if not host:
+        monkeypatch.setattr(OF, "host_memory_available", lambda platform=None: False)
     cfg, params = tiny_p
     start = _started(params, cfg, PolestarConfig(offload_hidden=mode))
     cs = start.x.shape[1] - GEN + BLOCK
