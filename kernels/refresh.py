@@ -425,6 +425,23 @@ def _mosaic_block_d(d: int) -> int:
     return next((c for c in (2048, 1024, 512, 256, 128) if d % c == 0), d)
 
 
+#: Shared memory the Triton shift kernel's dot operands may take (the one-hot [Kp, Rp] and two row tiles
+#: [Rp, bd], in the centroids' dtype): well under what one block may use on an A100 (163 KiB) or an H100 /
+#: H200 (227 KiB), leaving room for Triton's own scratch.
+_SHIFT_SMEM_BUDGET = 144 * 1024
+
+
+def _shift_block_d(d: int, bk: int, br: int, itemsize: int) -> int:
+    """The Triton shift kernel's feature block: up to 256 features, halved while its dot operands would
+    exceed :data:`_SHIFT_SMEM_BUDGET` (float32 rows with R > 64 at 256 features asked for 264 KiB on an H200
+    and failed to compile). Each output element sums over the rows only, so the block never changes a
+    value."""
+    bd = min(_pow2(d, 16), 256)
+    while bd > 16 and (2 * br * bd + bk * br) * itemsize > _SHIFT_SMEM_BUDGET:
+        bd //= 2
+    return bd
+
+
 def _shift_pallas(centroids, labels, counts, rows_mask, h_old, h_new, *, flavor, interpret):
     b, k, d = centroids.shape
     r = labels.shape[1]
@@ -433,8 +450,9 @@ def _shift_pallas(centroids, labels, counts, rows_mask, h_old, h_new, *, flavor,
     cnt = counts.astype(jnp.float32)[..., None]  # [b, K, 1]
     ho, hn = h_old.astype(dt), h_new.astype(dt)
     if flavor == "triton":
-        bd = min(_pow2(d, 16), 256)
-        bk, br, dp = _pow2(k, 16), _pow2(r, 16), pl.cdiv(d, bd) * bd
+        bk, br = _pow2(k, 16), _pow2(r, 16)
+        bd = _shift_block_d(d, bk, br, jnp.dtype(dt).itemsize)
+        dp = pl.cdiv(d, bd) * bd
         # The kernel reads the label / count / centroid / row axes as static slices [0, block): those must
         # be in bounds (jax >= 0.12 checks static slices at trace time, and an export staged for every
         # platform traces this branch on CPU too), so the operands are padded to the blocks here (labels -1, the

@@ -303,6 +303,24 @@ def _np_shift(cent, labels, counts, rows, h_old, h_new):
     return out
 
 
+def test_centroid_shift_triton_block_fits_shared_memory():
+    """The Triton shift kernel's feature block keeps its dot operands under the shared-memory budget for
+    every dtype and window size (float32 rows, R = 96, D = 512 asked for 264 KiB at a block of 256 and did not
+    compile on an H200), and a smaller block gives the same values (interpret mode, several feature blocks)."""
+    for itemsize in (2, 4):
+        for k in (4, 8, 16, 32):
+            for r in (24, 96, 128, 256):
+                for d in (40, 128, 512, 4096):
+                    bk, br = RF._pow2(k, 16), RF._pow2(r, 16)
+                    bd = RF._shift_block_d(d, bk, br, itemsize)
+                    assert 16 <= bd <= 256 and (2 * br * bd + bk * br) * itemsize <= RF._SHIFT_SMEM_BUDGET
+    assert RF._shift_block_d(512, 16, 128, 4) == 128 and RF._shift_block_d(4096, 16, 128, 2) == 256
+    args = _shift_inputs(16, 1, 8, 96, 512, jnp.float32)
+    got, want = _jit(lambda a: (RF.centroid_shift(*a, interpret=True, flavor="triton"),
+                                RF.centroid_shift_reference(*a)))(args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("flavor", ["triton", "mosaic"])
 def test_centroid_shift_interpret(flavor):
     b, k, r, d = 2, 5, 24, 40
