@@ -18,8 +18,10 @@ jax.memory.Space.Host)`` inside the layer scan). A refresh step reads and writes
 rows -- at most one layer's ``R`` rows, usually fewer (see :mod:`polestar_jax.compaction`) -- cross to the
 device and back. XLA turns the placements into asynchronous host<->device copies that overlap the layer's
 compute (they are the ``annotate_device_placement`` custom calls of the lowered module). Where the backend has no
-``pinned_host`` memory the store stays in device memory, still quantised, with a warning, and the row
-gather / scatter kernels of :mod:`polestar_jax.kernels.refresh` read and write it in place.
+``pinned_host`` memory -- or on a GPU, where XLA did not compile the refresh step with the store in host
+memory (:data:`NO_HOST_STORE_PLATFORMS`) -- the store stays in device memory, still quantised, with a
+warning, and the row gather / scatter kernels of :mod:`polestar_jax.kernels.refresh` read and write it in
+place.
 """
 from __future__ import annotations
 
@@ -36,16 +38,31 @@ from polestar_jax.kernels.refresh import dequantize_rows, gather_rows, quantize_
 
 HOST_MEMORY_KIND = "pinned_host"
 
-__all__ = ["HOST_MEMORY_KIND", "host_memory_available", "uses_host", "store_dtype", "encode", "decode",
-           "to_host", "fetch_rows", "write_rows", "place_store"]
+__all__ = ["HOST_MEMORY_KIND", "NO_HOST_STORE_PLATFORMS", "host_store_supported", "host_memory_available",
+           "uses_host", "store_dtype", "encode", "decode", "to_host", "fetch_rows", "write_rows", "place_store"]
+
+
+#: Platforms whose devices have ``pinned_host`` memory but keep the store in device memory: on an H200 (jax
+#: 0.11.2) XLA failed to compile the refresh step with the store in host memory (a layout-assignment error
+#: on the layer scan's memory-space annotations), while the block start and the plain step compiled
+#: (bench/README.md, GPU check).
+NO_HOST_STORE_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def host_store_supported(dev) -> bool:
+    """Whether the store may live in ``dev``'s ``pinned_host`` memory: the device has it and its platform
+    is not one of :data:`NO_HOST_STORE_PLATFORMS`."""
+    if dev.platform in NO_HOST_STORE_PLATFORMS:
+        return False
+    return any(m.kind == HOST_MEMORY_KIND for m in dev.addressable_memories())
 
 
 @functools.lru_cache(maxsize=None)
 def host_memory_available(platform: Optional[str] = None) -> bool:
-    """Whether the default device (of ``platform``) has ``pinned_host`` memory."""
+    """Whether the store can be offloaded on the default device (of ``platform``): it has ``pinned_host``
+    memory and the refresh step compiles with the store there (:func:`host_store_supported`)."""
     try:
-        dev = jax.devices(platform)[0] if platform else jax.devices()[0]
-        return any(m.kind == HOST_MEMORY_KIND for m in dev.addressable_memories())
+        return host_store_supported(jax.devices(platform)[0] if platform else jax.devices()[0])
     except Exception:  # noqa: BLE001 - a backend without memory spaces
         return False
 
@@ -175,5 +192,8 @@ def abstract_store(hs, hs_scale) -> tuple:
 
 
 def _warn_no_host(backend: str) -> None:
-    warnings.warn(f"backend {backend!r} has no '{HOST_MEMORY_KIND}' memory: the offloaded Polestar hidden "
-                  "states stay in device memory (still in the offload dtype)", RuntimeWarning, stacklevel=3)
+    why = (f"the Polestar refresh step does not compile on {backend!r} with the store in '{HOST_MEMORY_KIND}' "
+           "memory (an XLA layout error, seen with jax 0.11.2)" if backend in NO_HOST_STORE_PLATFORMS
+           else f"backend {backend!r} has no '{HOST_MEMORY_KIND}' memory")
+    warnings.warn(f"{why}: the offloaded Polestar hidden states stay in device memory (still in the offload "
+                  "dtype)", RuntimeWarning, stacklevel=3)
