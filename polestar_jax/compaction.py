@@ -27,7 +27,8 @@ from polestar_jax.config import PolestarConfig
 
 T = TypeVar("T")
 
-__all__ = ["widths", "store_widths", "complement_widths", "compact", "take_rows", "spread_rows", "chosen_width", "by_width"]
+__all__ = ["widths", "store_widths", "complement_widths", "compact", "take_rows", "spread_rows", "chosen_width",
+           "by_width"]
 
 
 def widths(pc: PolestarConfig, n_rows: int) -> tuple[int, ...]:

@@ -41,7 +41,8 @@ class StepOut(NamedTuple):
     selected [b, N, K] clusters refreshed; own_selected [b, N, K] what this implementation would have chosen
     (differs from ``selected`` only in replay); refreshed_rows [b, N] rows recomputed; moved_rows [b, N]
     stored rows read in the refresh (the compact widths of :mod:`polestar_jax.compaction`: what moves from a
-    host store to the device; R on every refreshing layer for a store in device memory, read whole); commit_threshold, commit_early [b, B]; commit_suffix [b, Ws].
+    host store to the device; R on every refreshing layer for a store in device memory, read whole);
+    commit_threshold, commit_early [b, B]; commit_suffix [b, Ws].
     """
 
     active: jax.Array

@@ -318,10 +318,12 @@ def step_ctx(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarCo
 
 class StepLayers(NamedTuple):
     """What the layer pass of a decode step hands to its tail (:func:`step_layers`, then :func:`step_tail`):
-    the last layer's carry (block rows, queries, rotated keys) and the step's outputs without the token
-    drift, the block attention rows and the block logits (``None`` until the tail)."""
+    the last layer's block rows, queries and rotated keys, and the step's outputs without the token drift,
+    the block attention rows and the block logits (``None`` until the tail)."""
 
-    carry: Carry
+    h_blk: jax.Array  # [b, B, D]
+    q_blk: jax.Array  # [b, H, B, hd]
+    k_rot: jax.Array  # [b, KV, L, hd]
     out: StepForwardOut
 
 
@@ -360,19 +362,19 @@ def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc:
         logits_suf = jnp.zeros(head.shape, jnp.float32)
         sel_suf = jnp.zeros((b, suf), bool)
     moved = jnp.where(cluster_rows[None, :], (stats.n_read + stats.n_fetch)[:, None], 0).astype(jnp.int32)
-    return StepLayers(carry, StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, outs.s_prev, None, None,
-                                            None, logits_suf, sel_suf, stats.scores, stats.selected, stats.own,
-                                            stats.n_rows, moved))
+    out = StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, outs.s_prev, None, None, None, logits_suf,
+                         sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved)
+    return StepLayers(carry.h_blk, carry.q_blk, carry.k_rot, out)
 
 
 def step_tail(params, state: DecodeState, cfg: ModelConfig, pc: PolestarConfig, block: int,
               lay: StepLayers) -> StepForwardOut:
     """The token drift of the last layer's block attention and the block logits, after the layer pass (one
     copy in the program, whichever layer pass ran)."""
-    c = lay.carry
-    drift, p_blk = kl_drift(c.q_blk, c.k_rot, state.key_valid, state.polestar.p_prev, mode="token",
+    drift, p_blk = kl_drift(lay.q_blk, lay.k_rot, state.key_valid, state.polestar.p_prev, mode="token",
                             backend=pc.kernels)
-    return lay.out._replace(p_blk=p_blk, drift=drift, logits=family_of(cfg).head_at(params, c.h_blk, cfg, 0, block))
+    logits = family_of(cfg).head_at(params, lay.h_blk, cfg, 0, block)
+    return lay.out._replace(p_blk=p_blk, drift=drift, logits=logits)
 
 
 def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
