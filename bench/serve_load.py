@@ -8,16 +8,20 @@ the lockstep loop) and one request at a time. Reported per mode: completion toke
 wall seconds), requests/s, latency p50 / p95 / p99 and time to first block (server: to the first streamed
 block; fixed batches: a request's latency is its batch's end, all requests submitted at time 0), the
 server's block calls and how full they ran (its ``/metrics`` counters), the CPU seconds the clients (this
-process) and the server used, and the server's resident memory before and after. The server and the fixed batches never run at the same time.
+process) and the server used, and the server's resident memory before and after. The server and the fixed
+batches never run at the same time: each of ``--repeat`` rounds runs every mode back to back (the server
+idles while this process decodes the fixed batches), and the server's ratio to the best fixed batch is taken
+within each round, then its median over the rounds (this machine's speed drifts by 10-30% over minutes).
 
     python -m bench.serve_load --decoder polestar --concurrency 1,8,32 --n 144
     python -m bench.serve_load --model polestar_jax/assets/tiny_long --tasks long --max-batch 32
     python -m bench.serve_load --concurrency 32 --fixed-batches 32 --in-process 32   # + the scheduler alone
-    python -m bench.serve_load --concurrency 32 --fixed-batches 32 --repeat 3        # the median of 3 runs each
+    python -m bench.serve_load --concurrency 32 --fixed-batches 32 --repeat 3        # 3 rounds: medians
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures as cf
 import datetime
 import json
@@ -77,6 +81,12 @@ def median_run(runs: list[dict]) -> dict:
     return {**runs[(len(runs) - 1) // 2], "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
 
 
+def paired_ratio(rnd: dict, mode: str, concurrency: int) -> float:
+    """A round's tokens/s of ``mode`` ("server", "in_process") at ``concurrency`` over the best fixed batch of
+    the same round (measured minutes apart, the two would differ by the machine's drift as well)."""
+    return rnd[mode][concurrency]["tokens_per_s"] / max(r["tokens_per_s"] for r in rnd["fixed"].values())
+
+
 def start_server(model: str, decoder: str, max_batch: int, max_queue: int, prompt_tokens: int,
                  extra: tuple = ()) -> tuple:
     cmd = [sys.executable, "-m", "polestar_jax.serve", "--port", "0", "--decoder", decoder, "--max-batch",
@@ -95,59 +105,70 @@ def start_server(model: str, decoder: str, max_batch: int, max_queue: int, promp
 
 
 def run_clients(base: str, name: str, messages: list[str], concurrency: int) -> dict:
-    """Closed loop: ``concurrency`` clients share the request list; streaming chat requests."""
+    """Closed loop: ``concurrency`` clients share the request list; streaming chat requests. The clients are
+    coroutines on one event loop (``httpx.AsyncClient``): on a small machine they share the server's cores,
+    and threads cost about twice the CPU (``client_cpu_seconds`` reports what they took)."""
+    return asyncio.run(_clients(base, name, messages, concurrency))
+
+
+async def _clients(base: str, name: str, messages: list[str], concurrency: int) -> dict:
     import httpx
 
     todo = list(range(len(messages)))
-    lock = threading.Lock()
     lat, ttfb, tokens = [], [], []
 
-    def client():
-        with httpx.Client(timeout=600) as http:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    i = todo.pop(0)
-                t0 = time.perf_counter()
-                first = None
-                with http.stream("POST", base + "/v1/chat/completions",
-                                 json={"model": name, "stream": True, "stream_options": {"include_usage": True},
-                                       "messages": [{"role": "user", "content": messages[i]}]}) as r:
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        body = json.loads(line[6:])
-                        if first is None and body.get("choices") and body["choices"][0]["delta"].get("content"):
-                            first = time.perf_counter() - t0
-                        if body.get("usage"):
-                            with lock:
-                                tokens.append(body["usage"]["completion_tokens"])
-                with lock:
-                    lat.append(time.perf_counter() - t0)
-                    ttfb.append(first if first is not None else lat[-1])
+    async def client(http):
+        while todo:
+            i = todo.pop(0)
+            t0 = time.perf_counter()
+            first = None
+            async with http.stream("POST", base + "/v1/chat/completions",
+                                   json={"model": name, "stream": True, "stream_options": {"include_usage": True},
+                                         "messages": [{"role": "user", "content": messages[i]}]}) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    body = json.loads(line[6:])
+                    if first is None and body.get("choices") and body["choices"][0]["delta"].get("content"):
+                        first = time.perf_counter() - t0
+                    if body.get("usage"):
+                        tokens.append(body["usage"]["completion_tokens"])
+            lat.append(time.perf_counter() - t0)
+            ttfb.append(first if first is not None else lat[-1])
 
     t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(concurrency) as ex:
-        for f in [ex.submit(client) for _ in range(concurrency)]:
-            f.result()
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await asyncio.gather(*[client(http) for _ in range(concurrency)])
     wall = time.perf_counter() - t0
     return {"concurrency": concurrency, "requests": len(lat), "completion_tokens": int(sum(tokens)),
             "seconds": wall, "tokens_per_s": sum(tokens) / wall, "requests_per_s": len(lat) / wall,
             "latency": percentiles(lat), "time_to_first_block": percentiles(ttfb)}
 
 
+_MODELS: dict = {}
+
+
+def _model(model_dir: Optional[str]):
+    """The model of ``model_dir`` loaded once in this process (its engine keeps the compiled programs)."""
+    from polestar_jax.api import load
+
+    if model_dir not in _MODELS:
+        _MODELS[model_dir] = load(model_dir)
+    return _MODELS[model_dir]
+
+
 def scheduler_clients(model_dir: Optional[str], decoder: str, messages: list[str], concurrency: int,
-                      max_batch: int, prompt_tokens: int) -> dict:
+                      max_batch: int, prompt_tokens: int, batch_wait: Optional[float] = None) -> dict:
     """The server's engine and scheduler without HTTP, in this process: the same closed loop of streaming
     jobs (``concurrency`` client threads submitting to a :class:`polestar_jax.scheduler.Scheduler` on the
     sampling program, as the server runs), so the HTTP layer's share of the server's seconds shows."""
-    from polestar_jax.api import load
     from polestar_jax.scheduler import Job, Scheduler
 
-    m = load(model_dir)
+    m = _model(model_dir)
     dcfg = m.decode_config(decoder=decoder)
-    sched = Scheduler(m.engine, dcfg, max_batch, prompt_tokens, max_queue=2 * concurrency).start()
+    kw = {} if batch_wait is None else {"batch_wait": batch_wait}
+    sched = Scheduler(m.engine, dcfg, max_batch, prompt_tokens, max_queue=2 * concurrency, **kw).start()
     todo, lock, lat, tokens = list(range(len(messages))), threading.Lock(), [], []
 
     def client():
@@ -187,9 +208,7 @@ def scheduler_clients(model_dir: Optional[str], decoder: str, messages: list[str
 def fixed_batches(model_dir: Optional[str], decoder: str, messages: list[str], batch: int) -> dict:
     """Today's lockstep fixed batches in this process: consecutive chunks of ``batch`` prompts, every block
     of every row; all requests submitted at time 0 (a request's latency: its batch's end)."""
-    from polestar_jax.api import load
-
-    m = load(model_dir)
+    m = _model(model_dir)
     dcfg = m.decode_config(decoder=decoder, early_exit=False)
     ids = [m.prompt_ids(t) for t in messages]
     slot = m.engine.prompt_slot([len(p) for p in ids])
@@ -222,8 +241,11 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-requests", type=int, default=0, help="extra requests for the memory check (0: none)")
     ap.add_argument("--in-process", default="", help="concurrency levels to run on the scheduler without HTTP, "
                                                      "in this process (e.g. 32)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of every level and fixed batch; the run of "
-                                                           "median tokens/s is reported (all in *_runs)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds, each running every level and fixed batch back to "
+                                                           "back; the run of median tokens/s is reported (all in "
+                                                           "*_runs), and the median of the rounds' ratios")
+    ap.add_argument("--batch-wait", type=float, default=None,
+                    help="the server's (and the in-process scheduler's) --batch-wait (default: the server's)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "serve_load.json"))
     args = ap.parse_args(argv)
     names = TASK_GROUPS.get(args.tasks, tuple(args.tasks.split(",")))
@@ -239,15 +261,19 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.model or bundled_model_dir())
     slot = -(-max(len(tok.chat_prompt_ids(m)) for m in messages) // 16) * 16  # the fixed batches' slot
     result["prompt_slot"] = slot
-    proc, base, compiled = start_server(args.model, args.decoder, args.max_batch, max(levels) * 2, slot)
+    extra = () if args.batch_wait is None else ("--batch-wait", str(args.batch_wait))
+    proc, base, compiled = start_server(args.model, args.decoder, args.max_batch, max(levels) * 2, slot, extra)
     name = os.path.basename(os.path.normpath(args.model)) if args.model else "tiny_tasks"
+    batches = [int(x) for x in args.fixed_batches.split(",")]
+    in_process = [int(x) for x in args.in_process.split(",") if x.strip()]
+    rounds: list[dict] = []  # one per --repeat: every mode measured back to back (the server idles meanwhile)
     try:
         result["server_compile_seconds"] = compiled
         run_clients(base, name, messages[: min(8, len(messages))], 4)  # warm-up
         rss0 = _rss_kib(proc.pid)
-        for c in levels:
-            runs = []
-            for _ in range(args.repeat):
+        for k in range(args.repeat):
+            rnd: dict = {"server": {}, "fixed": {}, "in_process": {}}
+            for c in levels:
                 before, cpu = _counters(base), (_cpu_seconds(), _cpu_seconds(proc.pid))
                 r = run_clients(base, name, messages, c)
                 after = _counters(base)
@@ -257,14 +283,22 @@ def main(argv=None) -> int:
                 r["occupancy"] = (after["row_blocks"] - before["row_blocks"]) / max(1.0, calls) / args.max_batch
                 r["client_cpu_seconds"] = _cpu_seconds() - cpu[0]
                 r["server_cpu_seconds"] = _cpu_seconds(proc.pid) - cpu[1]
-                runs.append(r)
-            r = median_run(runs)
-            result["server"].append(r)
-            print(f"[server c={c}] {r['tokens_per_s']:.1f} tok/s, {r['requests_per_s']:.2f} req/s, "
-                  f"p50/p99 {r['latency']['p50']:.2f}/{r['latency']['p99']:.2f}s, ttfb p50 "
-                  f"{r['time_to_first_block']['p50']:.2f}s, {r['block_calls']} block calls "
-                  f"{100 * r['occupancy']:.0f}% full, CPU s clients {r['client_cpu_seconds']:.1f} server "
-                  f"{r['server_cpu_seconds']:.1f} of {r['seconds']:.1f} s", file=sys.stderr, flush=True)
+                rnd["server"][c] = r
+                print(f"[round {k + 1} server c={c}] {r['tokens_per_s']:.1f} tok/s, {r['requests_per_s']:.2f} req/s, "
+                      f"p50/p99 {r['latency']['p50']:.2f}/{r['latency']['p99']:.2f}s, ttfb p50 "
+                      f"{r['time_to_first_block']['p50']:.2f}s, {r['block_calls']} block calls "
+                      f"{100 * r['occupancy']:.0f}% full, CPU s clients {r['client_cpu_seconds']:.1f} server "
+                      f"{r['server_cpu_seconds']:.1f} of {r['seconds']:.1f} s", file=sys.stderr, flush=True)
+            for b in batches:
+                r = rnd["fixed"][b] = fixed_batches(args.model or None, args.decoder, messages, b)
+                print(f"[round {k + 1} fixed b={b}] {r['tokens_per_s']:.1f} tok/s, p99 {r['latency']['p99']:.2f}s",
+                      file=sys.stderr, flush=True)
+            for c in in_process:
+                r = rnd["in_process"][c] = scheduler_clients(args.model or None, args.decoder, messages, c,
+                                                             args.max_batch, slot, args.batch_wait)
+                print(f"[round {k + 1} scheduler without HTTP c={c}] {r['tokens_per_s']:.1f} tok/s, p99 "
+                      f"{r['latency']['p99']:.2f}s", file=sys.stderr, flush=True)
+            rounds.append(rnd)
         if args.memory_requests:
             mem = messages * (-(-args.memory_requests // len(messages)))
             run_clients(base, name, mem[: args.memory_requests], 16)
@@ -273,25 +307,23 @@ def main(argv=None) -> int:
     finally:
         proc.terminate()
         result["server_exit"] = proc.wait(120)
-    for b in [int(x) for x in args.fixed_batches.split(",")]:
-        r = median_run([fixed_batches(args.model or None, args.decoder, messages, b) for _ in range(args.repeat)])
-        result["fixed"].append(r)
-        print(f"[fixed b={b}] {r['tokens_per_s']:.1f} tok/s, p99 {r['latency']['p99']:.2f}s", file=sys.stderr,
-              flush=True)
-    result["in_process"] = []
-    for c in [int(x) for x in args.in_process.split(",") if x.strip()]:
-        r = median_run([scheduler_clients(args.model or None, args.decoder, messages, c, args.max_batch, slot)
-                        for _ in range(args.repeat)])
-        result["in_process"].append(r)
-        print(f"[scheduler without HTTP c={c}] {r['tokens_per_s']:.1f} tok/s, p99 {r['latency']['p99']:.2f}s",
-              file=sys.stderr, flush=True)
     result["load_after"] = _loadavg()
+    result["fixed"] = [median_run([rnd["fixed"][b] for rnd in rounds]) for b in batches]
     best = max(result["fixed"], key=lambda r: r["tokens_per_s"])
-    for r in result["in_process"]:
-        r["vs_best_fixed_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
-    for r in result["server"]:
-        r["vs_best_fixed_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
-        r["p99_vs_best_fixed"] = r["latency"]["p99"] / best["latency"]["p99"]
+    for mode in ("server", "in_process"):
+        result[mode] = []
+        for c in (levels if mode == "server" else in_process):
+            r = median_run([rnd[mode][c] for rnd in rounds])
+            # the ratio within each round (back to back: this machine's speed drifts over minutes), median over rounds
+            ratios = sorted(paired_ratio(rnd, mode, c) for rnd in rounds)
+            r["vs_best_fixed_tokens_per_s"] = float(np.median(ratios))
+            r["vs_best_fixed_runs"] = ratios
+            if mode == "server":
+                r["p99_vs_best_fixed"] = r["latency"]["p99"] / best["latency"]["p99"]
+            result[mode].append(r)
+            print(f"[{mode} c={c}] median {r['tokens_per_s']:.1f} tok/s, {r['vs_best_fixed_tokens_per_s']:.2f}x the "
+                  f"best fixed batch of its round (rounds: {', '.join(f'{x:.2f}' for x in ratios)})",
+                  file=sys.stderr, flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -327,6 +327,10 @@ def knob(default, help: str, flag: Optional[str] = None, aliases: tuple[str, ...
     return dataclasses.field(default=default, metadata=meta)
 
 
+#: The server's default wait for returning clients after rows finish, as a fraction of the last block call
+#: (:class:`polestar_jax.scheduler.Scheduler`'s ``batch_wait``): at most this share of a block call, only
+#: after a block in which rows finished.
+BATCH_WAIT = 0.1
 #: Drift/refresh kernel implementations (:attr:`PolestarConfig.kernels`).
 KERNELS = Kernels.choices()
 #: Storage modes of Polestar's hidden-state store (:attr:`PolestarConfig.offload_hidden`).

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from polestar_jax.config import DecodeConfig
+from polestar_jax.config import BATCH_WAIT, DecodeConfig
 from polestar_jax.engine import Completion, Engine, RowOutput, RunningBatch
 from polestar_jax.errors import PolestarError
 
@@ -90,16 +90,22 @@ class Scheduler:
                     "non_eos", "active", "queue", "block" (a block call ran; value: the rows it decoded),
                     "first_block" (seconds), "latency" (seconds), "outcome" (a string)
     compact_rows:   the running batch's step chunk (:class:`RunningBatch`; None: automatic)
+    batch_wait:     after rows finish, wait at most this fraction of the last block call for new jobs to fill
+                    their slots before the next block (0: never; a closed-loop client sends its next request
+                    right after an answer, and a slot left empty idles for a whole block)
     """
 
     def __init__(self, engine: Engine, dcfg: DecodeConfig, max_batch: int, prompt_slot: int, max_queue: int = 256,
                  sampling: bool = True, metrics: Optional[Callable[[str, Any], None]] = None,
-                 compact_rows: Optional[int] = None):
+                 compact_rows: Optional[int] = None, batch_wait: float = BATCH_WAIT):
         if max_queue < 1:
             raise PolestarError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.dcfg = engine, dcfg
         self.max_batch, self.prompt_slot, self.max_queue = int(max_batch), int(prompt_slot), int(max_queue)
         self.sampling, self.compact_rows = sampling, compact_rows
+        if not 0.0 <= batch_wait <= 1.0:
+            raise PolestarError(f"batch_wait must be in [0, 1] (a fraction of a block call), got {batch_wait}")
+        self.batch_wait = float(batch_wait)
         self.metrics = metrics or (lambda name, value: None)
         t0 = time.perf_counter()
         # its shape compiled up front (Engine.precompile), then a batch of that shape (no recompile)
@@ -198,7 +204,21 @@ class Scheduler:
         self.metrics("queue", len(self._queue))
         self.metrics("active", len(self._jobs))
 
+    def _await_arrivals(self, finished: int, block_seconds: float) -> None:
+        """After ``finished`` rows left the batch: wait at most ``batch_wait`` x the last block call's seconds
+        for new jobs to fill the freed slots before the next block (a client that got its answer often sends its
+        next request at once; a slot filled now decodes a whole block sooner)."""
+        deadline = time.monotonic() + self.batch_wait * block_seconds
+        want = min(finished, len(self.batch.free_slots))
+        with self._cv:
+            while len(self._queue) < want and self._accepting and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+
     def _loop(self) -> None:
+        finished, block_seconds = 0, 0.0
         while True:
             with self._cv:
                 while not self._stop and not self._queue and not self._jobs:
@@ -206,6 +226,9 @@ class Scheduler:
                 if self._stop:
                     return
             try:
+                if finished and self.batch_wait > 0:
+                    self._await_arrivals(finished, block_seconds)
+                finished = 0
                 self._admit()
                 for slot, job in list(self._jobs.items()):
                     if job.cancelled:
@@ -214,10 +237,12 @@ class Scheduler:
                         self.metrics("outcome", "cancelled")
                 if not self._jobs:
                     continue
+                t0, rows = time.perf_counter(), len(self._jobs)
                 self.batch.step()
                 self.blocks_run += 1
-                self.metrics("block", len(self._jobs))
+                self.metrics("block", rows)
                 self._report()
+                finished, block_seconds = rows - len(self._jobs), time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - a failed step fails its batch, not the server
                 self._fail_batch(f"{type(e).__name__}: {e}")
 

@@ -26,7 +26,7 @@ import time
 from typing import Optional, Sequence
 
 from polestar_jax import cli
-from polestar_jax.config import DecodeConfig, PolestarConfig
+from polestar_jax.config import BATCH_WAIT, DecodeConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
 
 # ------------------------------------------------------------------------------------------ command line
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compact-rows", type=int, default=None,
                    help="a block call's start and steps run on the rows that need them, in chunks of this many "
                         "(default: an eighth of a batch of 16 or more, at least 8; 0: every row in every call)")
+    s.add_argument("--batch-wait", type=float, default=BATCH_WAIT,
+                   help="after rows finish, wait up to this fraction of the last block call for new requests to "
+                        f"fill their slots before the next block (default: {BATCH_WAIT}; 0: never)")
     s.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C, seconds to finish the requests in flight (default: 30)")
     d = ap.add_argument_group("decoding defaults (DecodeConfig; per request: temperature, seed, threshold)")
@@ -92,6 +95,8 @@ def _limits(args, model):
     for flag, v in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
         if v < 1:
             raise PolestarError(f"{flag} must be >= 1, got {v}")
+    if not 0 <= args.batch_wait <= 1:
+        raise PolestarError(f"--batch-wait must be in [0, 1] (a fraction of a block call), got {args.batch_wait}")
     if args.drain_seconds < 0:
         raise PolestarError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     if args.compact_rows is not None and args.compact_rows < 0:
@@ -124,7 +129,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     served = args.served_model_name or os.path.basename(os.path.normpath(model.path))
     t0 = time.perf_counter()
     scheduler = Scheduler(model.engine, dcfg, args.max_batch, limits.max_prompt_tokens, args.max_queue,
-                          sampling=True, compact_rows=args.compact_rows)
+                          sampling=True, compact_rows=args.compact_rows, batch_wait=args.batch_wait)
     compile_s = time.perf_counter() - t0
     app = create_app(model, scheduler, limits, served, default_temperature=dcfg.temperature, api_key=args.api_key)
 

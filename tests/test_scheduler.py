@@ -224,3 +224,30 @@ def test_dream_family_exact_under_load(name):
                                 gen_lengths=[job.gen_length]).row(0)
         np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"dream {name} job {i}")
         assert got.nfe == want.nfe
+
+
+def test_batch_wait_holds_the_next_block_for_returning_clients(model):
+    """After rows finish, the loop waits (at most ``batch_wait`` x the last block call) for new jobs to fill
+    the freed slots: it returns as soon as they arrive, at the deadline if none do, and at once when the
+    queue already fills them or the scheduler drains."""
+    dcfg = model.decode_config(gen_length=32, decoder="fastdllm")  # (test_stop_strings_cancel_and_queue's program)
+    with pytest.raises(Exception, match="batch_wait"):
+        Scheduler(model.engine, dcfg, max_batch=2, prompt_slot=64, batch_wait=1.5)
+    sched = Scheduler(model.engine, dcfg, max_batch=2, prompt_slot=64, batch_wait=0.5)  # (not started)
+    job = lambda: Job(prompt=model.prompt_ids("copy: jan"), gen_length=8, on_event=lambda ev: None)
+    t0 = time.perf_counter()
+    sched._await_arrivals(finished=1, block_seconds=0.6)  # nobody comes: the whole window (0.3 s)
+    assert 0.28 <= time.perf_counter() - t0 < 2.0
+    later = threading.Timer(0.05, lambda: sched.submit(job()))
+    t0 = time.perf_counter()
+    later.start()
+    sched._await_arrivals(finished=1, block_seconds=20.0)  # a 10 s window, ended by the arrival
+    assert sched.queue_length == 1 and time.perf_counter() - t0 < 5.0
+    t0 = time.perf_counter()
+    sched._await_arrivals(finished=1, block_seconds=20.0)  # the queue already fills the freed slot
+    assert time.perf_counter() - t0 < 0.5
+    threading.Timer(0.05, lambda: sched.drain(0)).start()
+    t0 = time.perf_counter()
+    sched._await_arrivals(finished=2, block_seconds=20.0)  # draining: nobody new will come
+    assert time.perf_counter() - t0 < 5.0
+    sched.stop()
