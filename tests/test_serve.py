@@ -248,6 +248,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server, model):
 @pytest.mark.parametrize("argv, part", [
     (["--compact-rows", "-1"], "--compact-rows must be >= 0"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--batch-wait", "1.5"], "--batch-wait must be in [0, 1]"),
     (["--api-key", " "], "--api-key must be a non-empty word"),
 ])
 def test_bad_server_options_are_one_line(argv, part, capsys):
