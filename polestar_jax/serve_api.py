@@ -17,9 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from polestar_jax.config import DecodeConfig
 from polestar_jax.errors import PolestarError
 
-#: Fields OpenAI defines that this server accepts only at their neutral value (anything else: 400).
+#: Fields OpenAI defines that this server accepts only at their neutral value (anything else: 400). Compared
+#: with their type (``logprobs: 0`` asks the completions API for the chosen tokens' log probabilities).
 NEUTRAL = {"top_p": (None, 1, 1.0), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-           "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+           "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
            "logit_bias": (None, {}), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
            "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
            "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default")}
@@ -103,7 +104,7 @@ def check_fields(req: Common, served_name: str, limits: "ServerLimits", dcfg: De
     for name, value in (req.model_extra or {}).items():
         if name not in NEUTRAL:
             raise BadRequest(f"unknown field '{name}'", name)
-        if value not in NEUTRAL[name]:
+        if not any(type(value) is type(v) and value == v for v in NEUTRAL[name]):
             raise BadRequest(f"'{name}' is not supported (only its default, {NEUTRAL[name][-1]!r})", name)
     asked = {v for v in (req.max_tokens, req.max_completion_tokens) if v is not None}
     if len(asked) > 1:

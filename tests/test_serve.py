@@ -158,6 +158,7 @@ BAD = {
                             400, "max_completion_tokens"),
     "n 2": (json.dumps({"model": NAME, "prompt": "hi", "n": 2}), 400, "n"),
     "top_p": (json.dumps({"model": NAME, "prompt": "hi", "top_p": 0.5}), 400, "top_p"),
+    "logprobs 0": (json.dumps({"model": NAME, "prompt": "hi", "logprobs": 0}), 400, "logprobs"),  # (0 == False)
     "early_threshold": (json.dumps({"model": NAME, "prompt": "hi", "early_threshold": 0.5}), 400, "early_threshold"),
     "negative temperature": (json.dumps({"model": NAME, "prompt": "hi", "temperature": -1}), 400, "temperature"),
 }
@@ -170,6 +171,18 @@ def test_bad_requests_get_openai_errors(server, name):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and "\n" not in err["message"] and err["type"] and err["param"] == param
+
+
+def test_neutral_openai_fields_are_accepted(server):
+    """OpenAI's optional fields at their neutral values (what some clients always send) are a plain request."""
+    body = {"model": NAME, "prompt": "copy: jan", "max_tokens": 8, "top_p": 1, "frequency_penalty": 0.0,
+            "presence_penalty": 0, "logprobs": None, "echo": False, "best_of": 1, "logit_bias": {}}
+    r = httpx.post(server[0] + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    chat = {"model": NAME, "max_tokens": 8, "logprobs": False, "response_format": {"type": "text"}, "tools": [],
+            "messages": [{"role": "user", "content": "copy: jan"}]}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
 
 
 def test_chat_errors(server):
