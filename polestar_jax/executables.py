@@ -25,7 +25,9 @@ the CLIs set from ``$POLESTAR_JAX_CACHE``: on when that cache is on, off with it
 lie on several devices and in multi-process runs. An entry that
 cannot be read or loaded (another version, a torn file) is deleted and the program compiled as usual; a
 stored program that fails when run is not detected (delete the folder). Like the persistent cache, the
-folder holds native code: it must be writable by its user only.
+folder holds native code, and loading an entry unpickles it: on POSIX an entry is read only when it and
+the folder belong to this process's user and neither is writable by the group or others
+(:func:`trusted`); otherwise the store is skipped (one warning) and programs compile as usual.
 """
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ import os
 import pickle
 import sys
 import time
+import warnings
 import weakref
 from typing import Any, Optional
 
-__all__ = ["MAX_ENTRIES", "store_folder", "digest", "freshly_compiled", "load", "save"]
+__all__ = ["MAX_ENTRIES", "store_folder", "digest", "freshly_compiled", "trusted", "load", "save"]
 
 #: Programs kept in the store (each is a few MB for the bundled model; the oldest read go first).
 MAX_ENTRIES = 64
@@ -137,12 +140,38 @@ def digest(key: Any) -> Optional[str]:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
+def trusted(path: str) -> bool:
+    """Whether the store may read ``path`` (its folder or an entry): on POSIX, it belongs to this process's
+    user and is not writable by the group or others (unpickling an entry runs code); elsewhere, True."""
+    if os.name != "posix":
+        return True
+    st = os.stat(path)
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+_UNTRUSTED_WARNED: set = set()
+
+
+def _warn_untrusted(folder: str) -> None:
+    if folder not in _UNTRUSTED_WARNED:
+        _UNTRUSTED_WARNED.add(folder)
+        warnings.warn(f"polestar-jax: not using the executable store {folder}: it and its entries must belong to "
+                      "this user and be writable by it only (chmod -R go-w); programs compile as usual",
+                      stacklevel=3)
+
+
 def load(folder: str, name: str):
-    """The compiled program stored as ``name`` (:func:`digest`), or None (not stored, or unreadable: then
-    the entry is removed). Marks it as recently used."""
+    """The compiled program stored as ``name`` (:func:`digest`), or None (not stored, not :func:`trusted`,
+    or unreadable: then the entry is removed). Marks it as recently used."""
     from jax.experimental.serialize_executable import deserialize_and_load
 
     path = os.path.join(folder, name + _SUFFIX)
+    try:
+        if not (trusted(folder) and trusted(path)):
+            _warn_untrusted(folder)
+            return None
+    except OSError:  # no folder or no entry yet
+        return None
     try:
         with open(path, "rb") as f:
             payload, in_tree, out_tree = pickle.load(f)
@@ -169,6 +198,9 @@ def save(folder: str, name: str, compiled) -> bool:
     try:
         blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
         os.makedirs(folder, mode=0o700, exist_ok=True)
+        if not trusted(folder):  # (nothing would read it back)
+            _warn_untrusted(folder)
+            return False
         atomic_write(os.path.join(folder, name + _SUFFIX), blob)
     except Exception:  # noqa: BLE001 - not serializable here (or the disk refused): just not stored
         return False

@@ -114,6 +114,16 @@ def test_a_second_engine_loads_from_the_executable_store_without_tracing(bundled
     first = Engine(params, cfg, tok)
     rec = first.precompile(dcfg, [(2, 48)])[0]
     assert not rec.stored and rec.lower_seconds > 0 and len(os.listdir(store)) == 1
+    # an entry or a folder others may write is not read (unpickling runs code): one warning, a compile
+    entry = os.path.join(store, os.listdir(store)[0])
+    for path, loose in ((store, 0o777), (entry, 0o666)):
+        mode = os.stat(path).st_mode & 0o777
+        os.chmod(path, loose)
+        with pytest.warns(UserWarning, match="not using the executable store"):
+            executables._UNTRUSTED_WARNED.clear()
+            rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0]
+        assert not rec.stored and rec.lower_seconds > 0
+        os.chmod(path, mode)
     traced, logged = _traced(monkeypatch), []
     second = Engine(params, cfg, tok, log=logged.append)
     rec = second.precompile(dcfg, [(2, 48)])[0]
