@@ -104,6 +104,17 @@ def _limits(args, model):
     return ServerLimits(slot, max_tokens, dcfg.block_length), dcfg
 
 
+def event_loop():
+    """The module whose ``run`` drives the server: uvloop where it is installed (the ``serve`` extra; it cut
+    the server's CPU per request: docs/serving.md), else asyncio."""
+    try:
+        import uvloop
+
+        return uvloop
+    except ImportError:
+        return asyncio
+
+
 def run(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -158,7 +169,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         await task
 
     try:
-        asyncio.run(main())
+        event_loop().run(main())
     finally:
         done = scheduler.drain(max(0.0, args.drain_seconds)) if scheduler.running else True
         scheduler.stop()
