@@ -12,6 +12,9 @@ process) and the server used, and the server's resident memory before and after.
 batches never run at the same time: each of ``--repeat`` rounds runs every mode back to back (the server
 idles while this process decodes the fixed batches), and the server's ratio to the best fixed batch is taken
 within each round, then its median over the rounds (this machine's speed drifts by 10-30% over minutes).
+Both processes hold the device meanwhile: on a GPU neither preallocates its memory
+(``XLA_PYTHON_CLIENT_PREALLOCATE=false``); a TPU, which one process owns, cannot run it this way. The p99
+ratio is of the median runs, not paired by round.
 
     python -m bench.serve_load --decoder polestar --concurrency 1,8,32 --n 144
     python -m bench.serve_load --model polestar_jax/assets/tiny_long --tasks long --max-batch 32
@@ -89,12 +92,15 @@ def paired_ratio(rnd: dict, mode: str, concurrency: int) -> float:
 
 def start_server(model: str, decoder: str, max_batch: int, max_queue: int, prompt_tokens: int,
                  extra: tuple = ()) -> tuple:
+    # (the fixed batches run in this process while the server lives: on a GPU neither may take most of its
+    # memory up front, as JAX does by default)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false"))
     cmd = [sys.executable, "-m", "polestar_jax.serve", "--port", "0", "--decoder", decoder, "--max-batch",
            str(max_batch), "--max-queue", str(max_queue), "--max-prompt-tokens", str(prompt_tokens), "--quiet",
            *extra]
     if model:
         cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=env)
     line = proc.stdout.readline()
     m = re.search(r"at (http://[\d.]+:\d+)", line)
     if not m:
@@ -125,6 +131,7 @@ async def _clients(base: str, name: str, messages: list[str], concurrency: int) 
             async with http.stream("POST", base + "/v1/chat/completions",
                                    json={"model": name, "stream": True, "stream_options": {"include_usage": True},
                                          "messages": [{"role": "user", "content": messages[i]}]}) as r:
+                r.raise_for_status()  # (an error reply is not a request with no tokens)
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -248,6 +255,7 @@ def main(argv=None) -> int:
                     help="the server's (and the in-process scheduler's) --batch-wait (default: the server's)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "serve_load.json"))
     args = ap.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # (see start_server; before JAX starts here)
     names = TASK_GROUPS.get(args.tasks, tuple(args.tasks.split(",")))
     per = -(-args.n // len(names))
     messages = [p for t in names for p, _ in T.eval_instances(t, per)][: args.n]

@@ -156,7 +156,7 @@ def _warn_untrusted(folder: str) -> None:
     if folder not in _UNTRUSTED_WARNED:
         _UNTRUSTED_WARNED.add(folder)
         warnings.warn(f"polestar-jax: not using the executable store {folder}: it and its entries must belong to "
-                      "this user and be writable by it only (chmod -R go-w); programs compile as usual",
+                      "this user and be writable by it only (chown, chmod -R go-w); programs compile as usual",
                       stacklevel=3)
 
 

@@ -209,7 +209,7 @@ class Scheduler:
         for new jobs to fill the freed slots before the next block (a client that got its answer often sends its
         next request at once; a slot filled now decodes a whole block sooner)."""
         deadline = time.monotonic() + self.batch_wait * block_seconds
-        want = min(finished, len(self.batch.free_slots))
+        want = min(finished, len(self.batch.free_slots), self.max_queue)
         with self._cv:
             while len(self._queue) < want and self._accepting and not self._stop:
                 left = deadline - time.monotonic()
@@ -222,6 +222,7 @@ class Scheduler:
         while True:
             with self._cv:
                 while not self._stop and not self._queue and not self._jobs:
+                    finished = 0  # (idle: the rows that left are not coming back now)
                     self._cv.wait(0.5)
                 if self._stop:
                     return

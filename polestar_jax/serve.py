@@ -109,10 +109,9 @@ def event_loop():
     the server's CPU per request: docs/serving.md), else asyncio."""
     try:
         import uvloop
-
-        return uvloop
     except ImportError:
         return asyncio
+    return uvloop if hasattr(uvloop, "run") else asyncio  # (uvloop.run: 0.18 and later)
 
 
 def run(argv: Optional[Sequence[str]] = None) -> int:

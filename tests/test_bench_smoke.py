@@ -115,8 +115,9 @@ def test_serve_load_ratios_are_taken_within_a_round():
     batch (the machine's speed drifts between rounds), and the reported run is the median one."""
     from bench import serve_load as S
 
-    rounds = [{"server": {32: {"tokens_per_s": 90.0}}, "fixed": {1: {"tokens_per_s": 50.0}, 32: {"tokens_per_s": 100.0}}},
-              {"server": {32: {"tokens_per_s": 45.0}}, "fixed": {1: {"tokens_per_s": 20.0}, 32: {"tokens_per_s": 50.0}}}]
+    tps = lambda x: {"tokens_per_s": x}
+    rounds = [{"server": {32: tps(90.0)}, "fixed": {1: tps(50.0), 32: tps(100.0)}},
+              {"server": {32: tps(45.0)}, "fixed": {1: tps(20.0), 32: tps(50.0)}}]
     assert [S.paired_ratio(r, "server", 32) for r in rounds] == [0.9, 0.9]  # (not 45 / 100 or 90 / 50)
     runs = [{"tokens_per_s": x} for x in (3.0, 1.0, 2.0)]
     assert S.median_run(runs)["tokens_per_s"] == 2.0 and S.median_run(runs)["tokens_per_s_runs"] == [1.0, 2.0, 3.0]
