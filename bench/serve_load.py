@@ -2,7 +2,7 @@
 
 For one model folder and one decoder: closed-loop clients (each sends its next request when its last one
 answered) at each concurrency level send held-out task prompts (``bench.tasks``) to a real server
-(``python -m polestar_jax.serve``, a subprocess, streaming requests), and the same prompts are then decoded
+(``python -m polestar_jax.serve``, a subprocess, streaming requests), and the same prompts are decoded
 in this process as today's fixed batches (``Engine.run`` on consecutive chunks, every block of every row:
 the lockstep loop) and one request at a time. Reported per mode: completion tokens/s (response tokens over
 wall seconds), requests/s, latency p50 / p95 / p99 and time to first block (server: to the first streamed
@@ -92,15 +92,12 @@ def paired_ratio(rnd: dict, mode: str, concurrency: int) -> float:
 
 def start_server(model: str, decoder: str, max_batch: int, max_queue: int, prompt_tokens: int,
                  extra: tuple = ()) -> tuple:
-    # (the fixed batches run in this process while the server lives: on a GPU neither may take most of its
-    # memory up front, as JAX does by default)
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false"))
     cmd = [sys.executable, "-m", "polestar_jax.serve", "--port", "0", "--decoder", decoder, "--max-batch",
            str(max_batch), "--max-queue", str(max_queue), "--max-prompt-tokens", str(prompt_tokens), "--quiet",
            *extra]
     if model:
         cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     line = proc.stdout.readline()
     m = re.search(r"at (http://[\d.]+:\d+)", line)
     if not m:
@@ -255,7 +252,9 @@ def main(argv=None) -> int:
                     help="the server's (and the in-process scheduler's) --batch-wait (default: the server's)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "serve_load.json"))
     args = ap.parse_args(argv)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # (see start_server; before JAX starts here)
+    # the fixed batches run in this process while the server (a child: it inherits this) lives: on a GPU
+    # neither may take most of the device's memory up front, as JAX does by default (set before JAX starts)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     names = TASK_GROUPS.get(args.tasks, tuple(args.tasks.split(",")))
     per = -(-args.n // len(names))
     messages = [p for t in names for p, _ in T.eval_instances(t, per)][: args.n]

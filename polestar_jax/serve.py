@@ -105,8 +105,8 @@ def _limits(args, model):
 
 
 def event_loop():
-    """The module whose ``run`` drives the server: uvloop where it is installed (the ``serve`` extra; it cut
-    the server's CPU per request: docs/serving.md), else asyncio."""
+    """The module whose ``run`` drives the server: uvloop where it is installed (the ``serve`` extra; more
+    tokens/s on the 2-core CPU in alternating runs: docs/serving.md), else asyncio."""
     try:
         import uvloop
     except ImportError:

@@ -20,8 +20,8 @@ from polestar_jax.errors import PolestarError
 #: Fields OpenAI defines that this server accepts only at their neutral value (anything else: 400). Compared
 #: with their type (``logprobs: 0`` asks the completions API for the chosen tokens' log probabilities).
 NEUTRAL = {"top_p": (None, 1, 1.0), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-           "logprobs": (None, False), "top_logprobs": (None, 0, 0.0), "echo": (None, False), "best_of": (None, 1, 1.0),
-           "logit_bias": (None, {}), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+           "logprobs": (None, False), "top_logprobs": (None, 0, 0.0), "echo": (None, False),
+           "best_of": (None, 1, 1.0), "logit_bias": (None, {}), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
            "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, False, True),
            "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default")}
 
