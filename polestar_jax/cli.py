@@ -286,6 +286,20 @@ def flag_of(cls, name: str, value: Any = None) -> str:
     return _flag_name(f)
 
 
+def flag_namer(values: dict, *classes) -> Callable[[str], str]:
+    """``name -> flag`` for error messages: a field of one of ``classes`` (the first that has it) by
+    :func:`flag_of` with its value in ``values``; any other name as ``--name-with-dashes``."""
+    import dataclasses
+
+    def flag(name: str) -> str:
+        for cls in classes:
+            if name in {f.name for f in dataclasses.fields(cls)}:
+                return flag_of(cls, name, values.get(name))
+        return "--" + name.replace("_", "-")
+
+    return flag
+
+
 # --- multi-process runs (JAX's multi-controller runtime) -------------------------------------------------
 
 def add_distributed_flags(ap) -> None:

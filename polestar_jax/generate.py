@@ -99,10 +99,7 @@ def resolve_args(args, defaults: Optional[dict] = None, family: Optional[str] = 
 
     given = cli.given_config_values(args, DecodeConfig)
     knobs = cli.given_config_values(args, PolestarConfig)
-    def flag(name: str) -> str:
-        cls = PolestarConfig if name in {f.name for f in dataclasses.fields(PolestarConfig)} else DecodeConfig
-        return cli.flag_of(cls, name, {**given, **knobs}.get(name))
-
+    flag = cli.flag_namer({**given, **knobs}, PolestarConfig, DecodeConfig)
     return resolve(given, knobs, defaults, family=family, name=flag)
 
 

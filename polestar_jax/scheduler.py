@@ -77,6 +77,16 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
+def check_settings(max_batch: int, max_queue: int, batch_wait: float, name: Callable[[str], str] = str) -> None:
+    """Raises :class:`PolestarError` for a scheduler setting out of range; ``name`` maps a setting's name to
+    what the message calls it (the server: its flag)."""
+    for key, value in (("max_batch", max_batch), ("max_queue", max_queue)):
+        if value < 1:
+            raise PolestarError(f"{name(key)} must be >= 1, got {value}")
+    if not 0.0 <= batch_wait <= 1.0:
+        raise PolestarError(f"{name('batch_wait')} must be in [0, 1] (a fraction of a block call), got {batch_wait}")
+
+
 class Scheduler:
     """The continuous-batching loop over one running batch (see the module docstring).
 
@@ -98,13 +108,10 @@ class Scheduler:
     def __init__(self, engine: Engine, dcfg: DecodeConfig, max_batch: int, prompt_slot: int, max_queue: int = 256,
                  sampling: bool = True, metrics: Optional[Callable[[str, Any], None]] = None,
                  compact_rows: Optional[int] = None, batch_wait: float = BATCH_WAIT):
-        if max_queue < 1:
-            raise PolestarError(f"max_queue must be >= 1, got {max_queue}")
+        check_settings(max_batch, max_queue, batch_wait)
         self.engine, self.dcfg = engine, dcfg
         self.max_batch, self.prompt_slot, self.max_queue = int(max_batch), int(prompt_slot), int(max_queue)
         self.sampling, self.compact_rows = sampling, compact_rows
-        if not 0.0 <= batch_wait <= 1.0:
-            raise PolestarError(f"batch_wait must be in [0, 1] (a fraction of a block call), got {batch_wait}")
         self.batch_wait = float(batch_wait)
         self.metrics = metrics or (lambda name, value: None)
         t0 = time.perf_counter()

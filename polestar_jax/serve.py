@@ -82,8 +82,8 @@ def _limits(args, model):
         raise PolestarError(f"--max-tokens must be >= 1, got {max_tokens}")
     given["gen_length"] = round_up(max_tokens, block)
     given.setdefault("block_length", block)
-    dcfg = resolve(given, knobs, model.defaults, family=model.config.family,
-                   name=lambda n: "--" + n.replace("_", "-")).decode
+    flag = cli.flag_namer({**given, **knobs}, PolestarConfig, DecodeConfig)
+    dcfg = resolve(given, knobs, model.defaults, family=model.config.family, name=flag).decode
     room = model.config.max_sequence_length - dcfg.gen_length
     slot = args.max_prompt_tokens if args.max_prompt_tokens is not None else min(128, room)
     if slot < 1:
@@ -92,11 +92,9 @@ def _limits(args, model):
     if slot > room:
         raise PolestarError(f"--max-prompt-tokens {slot} + gen length {dcfg.gen_length} exceeds the model's "
                             f"max_sequence_length {model.config.max_sequence_length}")
-    for flag, v in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
-        if v < 1:
-            raise PolestarError(f"{flag} must be >= 1, got {v}")
-    if not 0 <= args.batch_wait <= 1:
-        raise PolestarError(f"--batch-wait must be in [0, 1] (a fraction of a block call), got {args.batch_wait}")
+    from polestar_jax.scheduler import check_settings
+
+    check_settings(args.max_batch, args.max_queue, args.batch_wait, name=flag)
     if args.drain_seconds < 0:
         raise PolestarError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     if args.compact_rows is not None and args.compact_rows < 0:

@@ -193,6 +193,11 @@ def test_chat_errors(server):
     assert r.status_code == 400
 
 
+def _gauge(text: str, name: str) -> float:
+    """The value of the unlabelled series ``name`` in the Prometheus ``text``."""
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
 def test_disconnect_frees_the_row_and_metrics(server, client):
     base, _ = server
     ids = list(range(5, 60))  # a prompt the model never saw: it runs to its last block
@@ -208,8 +213,7 @@ def test_disconnect_frees_the_row_and_metrics(server, client):
             break
         time.sleep(0.1)
     assert re.search(r"^polestar_active_rows 0\.0$", m, re.M), m
-    calls = float(re.search(r"^polestar_block_calls_total (\S+)$", m, re.M).group(1))
-    rows = float(re.search(r"^polestar_row_blocks_total (\S+)$", m, re.M).group(1))
+    calls, rows = _gauge(m, "polestar_block_calls_total"), _gauge(m, "polestar_row_blocks_total")
     assert 1 <= calls <= rows <= 4 * calls  # every call decodes 1 to max_batch rows
     for name in ("polestar_requests_total", "polestar_queue_length", "polestar_completion_tokens_total",
                  "polestar_forwards_total", "polestar_tokens_per_forward",
@@ -277,10 +281,6 @@ def _requests(base: str, n: int, offset: int) -> int:
         return sum(code == 200 for code in ex.map(one, range(offset, offset + n)))
 
 
-def _gauge(text: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
-
 def _cancelled(text: str) -> float:
     m = re.search(r'^polestar_requests_total\{outcome="cancelled"\} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
@@ -342,11 +342,13 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server, model):
 @pytest.mark.parametrize("argv, part", [
     (["--compact-rows", "-1"], "--compact-rows must be >= 0"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--batch-wait", "1.5"], "--batch-wait must be in [0, 1]"),
+    (["--decoder", "fastdllm", "--no-refresh"], "--no-refresh applies to decoder polestar only"),  # (as given)
     (["--api-key", " "], "--api-key must be a non-empty word"),
 ])
 def test_bad_server_options_are_one_line(argv, part, capsys):
-    """A bad capacity option: exit 2 with one error line naming the flag (before anything compiles)."""
+    """A bad server option: exit 2 with one error line naming the flag as given (before anything compiles)."""
     from polestar_jax import serve
 
     code = serve.main(["--port", "0", *argv])
