@@ -12,7 +12,10 @@ with ``--llada8b-layers N``: d_model 4096, 32 heads, MLP 12288, vocab 126464, bf
     python -m bench.bench_compile                                   # tiny_tasks, batch 1
     python -m bench.bench_compile --random-layers 8 --random-d-model 512 --prompt 64 --gen 128 --block 32
     python -m bench.bench_compile --llada8b-layers 2 --prompt 64 --gen 128 --block 32 --decoders fastdllm-dual,polestar
-    python -m bench.bench_compile --decoders fastdllm-dual,polestar,polestar-1width,polestar-norefresh,polestar-skeleton
+    python -m bench.bench_compile --decoders fastdllm-dual,polestar,polestar-1width,polestar-lean,polestar-norefresh,polestar-skeleton
+
+The output's ``kernel_cost`` (``--kernel-cost N``) is what one distinct kernel costs XLA on this backend
+(:func:`kernel_cost`), the unit the programs' fusion counts are paid in.
 """
 from __future__ import annotations
 
@@ -34,9 +37,12 @@ DECODERS = {"llada": dict(decoder="llada"), "fastdllm-none": dict(decoder="fastd
             "fastdllm-dual": dict(decoder="fastdllm", cache="dual", step_after_full_pass=False),
             "polestar": dict(decoder="polestar")}
 #: Polestar with parts of its program left out (what each part costs to compile; tokens differ), as
-#: ``PolestarConfig`` fields: one refresh width; no refresh (and so no suffix commit); the skeleton: also no
-#: windowed block start and no early commit (the block start, the k-means, the token drift and the steps).
+#: ``PolestarConfig`` fields: one refresh width; the two settings that trade decode speed for compile time
+#: (one refresh width and no windowed block start: every block starts with a full pass); no refresh (and
+#: so no suffix commit); the skeleton: also no windowed block start and no early commit (the block start,
+#: the k-means, the token drift and the steps).
 ABLATIONS = {"polestar-1width": dict(refresh_buckets=1),
+             "polestar-lean": dict(refresh_buckets=1, windowed_period=0),
              "polestar-norefresh": dict(refresh=False, suffix_precommit=False),
              "polestar-skeleton": dict(refresh=False, suffix_precommit=False, windowed_period=0, early_threshold=None)}
 
@@ -107,9 +113,44 @@ def time_program(cfg, params, dcfg, batch: int, prompt: int) -> dict:
     compiled = lowered.compile()
     t2 = time.perf_counter()
     hlo_ops = lowered.as_text().count("\n")
-    fusions = len(re.findall(r"= [^\n]*? fusion\(", compiled.as_text()))  # (XLA compiles one kernel per fusion)
+    text = compiled.as_text()
+    fusions = len(re.findall(r"= [^\n]*? fusion\(", text))  # (XLA compiles one kernel per fusion)
     return {"lower_seconds": t1 - t0, "xla_seconds": t2 - t1, "total_seconds": t2 - t0, "stablehlo_lines": hlo_ops,
-            "fusions": fusions}
+            "fusions": fusions, "distinct_fusions": distinct_fusions(text)}
+
+
+def distinct_fusions(hlo: str) -> int:
+    """The fusions of an optimized HLO module's text that differ in more than their names and source
+    metadata (XLA compiles a kernel once for identical fused computations: :func:`kernel_cost`)."""
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            bodies[name] = []
+        elif name is not None and line.startswith("  "):
+            bodies[name].append(re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line.strip())))
+    called = re.findall(r"= [^\n]*? fusion\([^\n]*?calls=%?([\w.\-]+)", hlo)
+    return len({"\n".join(bodies.get(c, [c])) for c in called})
+
+
+def kernel_cost(n: int = 100) -> dict:
+    """What XLA charges per kernel on this backend: one program of ``n`` small elementwise kernels of ``n``
+    distinct shapes against one of ``n`` such kernels of a single shape (XLA compiles identical fusions
+    once), each compiled after its lowering. The difference per kernel is the cost of one distinct kernel,
+    whatever it computes: on the CPU it, not the model's size, sets a block program's compile time."""
+    def seconds(shapes) -> float:
+        f = lambda p, xs: [jnp.where(p, x * 2 + 1, x) for x in xs]
+        args = (jax.ShapeDtypeStruct((), jnp.bool_), [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+        lowered = jax.jit(f).lower(*args)
+        t0 = time.perf_counter()
+        lowered.compile()
+        return time.perf_counter() - t0
+
+    seconds([(1, 1)])  # (XLA's first compile in a process pays its own set-up)
+    distinct = seconds([(1, 4 + i, 8 + i % 3) for i in range(n)])
+    same = seconds([(1, 4, 8)] * n)
+    return {"kernels": n, "distinct_shapes_seconds": distinct, "one_shape_seconds": same,
+            "ms_per_distinct_kernel": 1e3 * (distinct - same) / n}
 
 
 def cache_hit(name: str, batch: int, args) -> dict:
@@ -145,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--random-d-model", type=int, default=512)
     ap.add_argument("--llada8b-layers", type=int, default=0)
     ap.add_argument("--no-cache-hit", action="store_true", help="skip the persistent-cache hit measurement")
+    ap.add_argument("--kernel-cost", type=int, default=100, metavar="N",
+                    help="also time N distinct against N identical small kernels (XLA's cost per kernel; 0: skip)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     from polestar_jax.config import DecodeConfig
@@ -167,6 +210,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "bench.bench_compile", "model": what, "prompt": args.prompt, "gen": args.gen,
               "block": args.block, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "load": " ".join(f"{x:.2f}" for x in os.getloadavg()), "jax": jax.__version__, "rows": rows}
+    if args.kernel_cost:
+        result["kernel_cost"] = kernel_cost(args.kernel_cost)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

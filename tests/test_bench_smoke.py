@@ -110,6 +110,22 @@ def test_compile_ablations_are_the_flags_they_run_with():
         assert all(getattr(got, k) == v for k, v in fields.items())
 
 
+def test_compile_counts_each_fused_body_once():
+    """bench_compile's distinct_fusions: fusions that compute the same thing on arrays of the same shape count
+    once (XLA compiles one kernel for them), another shape is another kernel."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench.bench_compile import distinct_fusions
+
+    f = lambda a, b, c: (jnp.sin(a) * 2 + 1, jnp.sin(b) * 2 + 1, jnp.sin(c) * 2 + 1)
+    text = jax.jit(f).lower(jnp.ones(4), jnp.ones(4), jnp.ones(5)).compile().as_text()
+    assert len(re.findall(r"= [^\n]*? fusion\(", text)) == 3
+    assert distinct_fusions(text) == 2
+
+
 def test_serve_load_ratios_are_taken_within_a_round():
     """bench.serve_load's ratio to the fixed batches pairs each round's server run with that round's best fixed
     batch (the machine's speed drifts between rounds), and the reported run is the median one."""
