@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-DECODERS = {"llada": dict(decoder="llada"), "fastdllm-none": dict(decoder="fastdllm", cache="none"),
+DECODERS = {"llada": dict(decoder="llada", cache="none"), "fastdllm-none": dict(decoder="fastdllm", cache="none"),
             "fastdllm-prefix": dict(decoder="fastdllm", cache="prefix"),
             "fastdllm-dual": dict(decoder="fastdllm", cache="dual", step_after_full_pass=False),
             "polestar": dict(decoder="polestar")}
@@ -68,6 +68,15 @@ def decoder_settings(name: str) -> dict:
     from polestar_jax.config import PolestarConfig
 
     return dict(decoder="polestar", polestar=PolestarConfig(**ABLATIONS[name]))
+
+
+def decode_config(name: str, gen: int, block: int):
+    """The ``DecodeConfig`` a row of the table compiles: the decoder's settings, one token a step for LLaDA
+    (no threshold), the 0.9 threshold for the others."""
+    from polestar_jax.config import DecodeConfig
+
+    return DecodeConfig(gen_length=gen, block_length=block, steps=gen,
+                        **{"threshold": None if name == "llada" else 0.9, **decoder_settings(name)})
 
 
 def _model(args):
@@ -190,14 +199,11 @@ def main(argv=None) -> int:
                     help="also time N distinct against N identical small kernels (XLA's cost per kernel; 0: skip)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    from polestar_jax.config import DecodeConfig
-
     cfg, params, what = _model(args)
     rows = []
     for name in args.decoders.split(","):
         for b in (int(x) for x in args.batch.split(",")):
-            dcfg = DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.gen,
-                                **{"threshold": None if name == "llada" else 0.9, **decoder_settings(name)})
+            dcfg = decode_config(name, args.gen, args.block)
             r = {"decoder": name, "batch": b, **time_program(cfg, params, dcfg, b, args.prompt)}
             if not args.no_cache_hit and not (args.llada8b_layers or args.random_layers):
                 r.update(cache_hit(name, b, args))

@@ -110,6 +110,16 @@ def test_compile_ablations_are_the_flags_they_run_with():
         assert all(getattr(got, k) == v for k, v in fields.items())
 
 
+def test_compile_bench_builds_every_decoder():
+    """Every row bench_compile can time is a valid decode configuration (its LLaDA row once asked for the
+    dual cache, which LLaDA does not have)."""
+    from bench import bench_compile as C
+
+    for name in [*C.DECODERS, *C.ABLATIONS]:
+        dcfg = C.decode_config(name, 32, 8)
+        assert dcfg.decoder == C.decoder_settings(name)["decoder"], name
+
+
 def test_compile_counts_each_fused_body_once():
     """bench_compile's distinct_fusions: fusions that compute the same thing on arrays of the same shape count
     once (XLA compiles one kernel for them), another shape is another kernel."""
