@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -223,7 +224,6 @@ def add_config_flags(group, cls, skip: Sequence[str] = ()) -> list[str]:
     help says what the field does and its default (the field's, or its ``cli_default``). Values the user
     does not give stay ``None`` in the namespace (bool flags: unset), so :func:`given_config_values` can
     tell given from default. Returns the field names added."""
-    import dataclasses
     import typing
 
     hints = typing.get_type_hints(cls)
@@ -263,8 +263,6 @@ def add_config_flags(group, cls, skip: Sequence[str] = ()) -> list[str]:
 
 def given_config_values(args, cls, names: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """The fields of ``cls`` the user gave on the command line (see :func:`add_config_flags`)."""
-    import dataclasses
-
     out = {}
     for f in dataclasses.fields(cls):
         if names is not None and f.name not in names:
@@ -278,8 +276,6 @@ def given_config_values(args, cls, names: Optional[Sequence[str]] = None) -> dic
 def flag_of(cls, name: str, value: Any = None) -> str:
     """The command-line flag of field ``name`` of ``cls`` (for a bool field given as False, its ``--no-...``
     flag)."""
-    import dataclasses
-
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     if value is False and f.metadata.get("negate"):
         return f.metadata["negate"]
@@ -289,8 +285,6 @@ def flag_of(cls, name: str, value: Any = None) -> str:
 def flag_namer(values: dict, *classes) -> Callable[[str], str]:
     """``name -> flag`` for error messages: a field of one of ``classes`` (the first that has it) by
     :func:`flag_of` with its value in ``values``; any other name as ``--name-with-dashes``."""
-    import dataclasses
-
     def flag(name: str) -> str:
         for cls in classes:
             if name in {f.name for f in dataclasses.fields(cls)}:
