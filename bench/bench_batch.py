@@ -22,7 +22,7 @@ import numpy as np
 from bench.bench_decoders import BenchConfig, machine_info, make_params
 from bench.common import RESULTS_DIR
 from polestar_jax.config import DecodeConfig
-from polestar_jax.engine import Engine
+from polestar_jax.engine.engine import Engine
 
 
 def run(batches: list[int], gen_length: int, variant: str, decoders: list[str]) -> dict:

@@ -81,7 +81,7 @@ def decode_config(name: str, gen: int, block: int):
 
 def _model(args):
     from polestar_jax.config import ModelConfig
-    from polestar_jax.model import init_params
+    from polestar_jax.models.llada import init_params
 
     if args.llada8b_layers:
         cfg = ModelConfig(d_model=4096, n_heads=32, n_kv_heads=32, n_layers=args.llada8b_layers, mlp_hidden_size=12288,
@@ -95,8 +95,8 @@ def _model(args):
                           mlp_hidden_size=4 * d, vocab_size=512, embedding_size=512, mask_token_id=500,
                           eos_token_id=1, pad_token_id=1)
         return cfg, init_params(cfg, jax.random.PRNGKey(0)), f"random, {args.random_layers} layers, d_model {d}"
-    from polestar_jax.checkpoint import load_model
-    from polestar_jax.tokenizer import bundled_model_dir
+    from polestar_jax.io.checkpoint import load_model
+    from polestar_jax.io.tokenizer import bundled_model_dir
 
     cfg, params = load_model(bundled_model_dir())
     return cfg, params, "tiny_tasks"
@@ -105,9 +105,9 @@ def _model(args):
 def time_program(cfg, params, dcfg, batch: int, prompt: int) -> dict:
     """Lowering and XLA seconds of one block program (the engine's jit, abstract arguments), its StableHLO lines
     and the fusions of the optimized HLO."""
-    from polestar_jax.block import decode_block
-    from polestar_jax.engine import Engine
-    from polestar_jax.state import init_decode_state
+    from polestar_jax.decode.block import decode_block
+    from polestar_jax.engine.engine import Engine
+    from polestar_jax.decode.state import init_decode_state
 
     eng = Engine(params, cfg)
     spec = eng.spec(dcfg)

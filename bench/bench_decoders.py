@@ -8,7 +8,7 @@ its FLOPs from XLA's cost analysis.
 
 Two model variants are decoded:
 
-* ``random``: :func:`polestar_jax.model.init_params` as is. Its predictions are nearly uniform over the
+* ``random``: :func:`polestar_jax.models.llada.init_params` as is. Its predictions are nearly uniform over the
   vocabulary, so with threshold 0.9 Fast-dLLM commits one token per forward (the forced most-confident one).
 * ``peaked``: the same parameters with the LM head multiplied by ``peak_scale`` and the mask token's
   embedding row set to zero. Scaling the head alone makes every masked position of a block almost equally
@@ -49,14 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import RESULTS_DIR
-from polestar_jax import model as M
-from polestar_jax import model_dream as MD
+from polestar_jax.models import llada as M
+from polestar_jax.models import dream as MD
 from polestar_jax.config import DecodeConfig, ModelConfig
-from polestar_jax.engine import Engine
-from polestar_jax.block import EngineSpec
-from polestar_jax.family import polestar_config_for
-from polestar_jax.samplers import cached_forward, full_forward
-from polestar_jax.state import init_decode_state
+from polestar_jax.engine.engine import Engine
+from polestar_jax.decode.block import EngineSpec
+from polestar_jax.models.family import polestar_config_for
+from polestar_jax.decode.samplers import cached_forward, full_forward
+from polestar_jax.decode.state import init_decode_state
 
 DEFAULT_OUT = RESULTS_DIR
 
@@ -143,7 +143,7 @@ def _log(msg: str) -> None:
 def make_params(bc: BenchConfig, cfg: ModelConfig) -> dict[str, Any]:
     """``{"random": params, "peaked": params}`` (float32, seeded).
 
-    ``bc.param_init == "init_params"``: :func:`polestar_jax.model.init_params` (the benchmark's model).
+    ``bc.param_init == "init_params"``: :func:`polestar_jax.models.llada.init_params` (the benchmark's model).
     ``"numpy"``: the same layout and scales drawn with NumPy, for the smoke test only (compiling the
     threefry draws of ``init_params`` costs seconds of CPU, more than a tiny model's whole decode).
     """
@@ -297,8 +297,8 @@ def forward_kinds(params, cfg: ModelConfig, prompt: list[int], bc: BenchConfig) 
     query rows, key count, description); ``cs`` is the first block's start, the state is the initial decode
     state; ``unroll`` is the layer scans' (True: fully unrolled, for XLA's cost analysis, which counts a
     loop body once)."""
-    from polestar_jax import polestar_state as PSt
-    from polestar_jax.polestar_step import step_forward
+    from polestar_jax.decode.polestar import state as PSt
+    from polestar_jax.decode.polestar.step import step_forward
 
     length = bc.prompt_length + bc.gen_length
     out = []
@@ -478,7 +478,7 @@ def run_bench(bc: BenchConfig, out_dir: Optional[str] = DEFAULT_OUT, command: st
             "variant 'peaked': LM head scaled by peak_scale (and the mask token's embedding zeroed when "
             "peak_zero_mask_embedding) so that the threshold rule commits several tokens per forward; "
             "the model is random, only speed is meaningful.",
-            "forwards: one jitted forward of each kind from polestar_jax.samplers / polestar_step (logits only, batch 1), "
+            "forwards: one jitted forward of each kind from polestar_jax.decode.samplers / polestar_step (logits only, batch 1), "
             "median of `reps` runs after warmup; gflops_xla from XLA's cost analysis of the same forward "
             "with the layer scan unrolled (the compiled scan counts its body once: gflops_xla_scan_body_once).",
             "wall-clock on a machine possibly shared with other work: compare rows of one run.",

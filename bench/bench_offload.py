@@ -2,7 +2,7 @@
 
 For the 8B configuration (``tests/data/llada8b_config.json``, bf16 weights), block length 32 and generation
 lengths 256 and 512 (prompt 256), sizes the decode state of one sequence from abstract arrays
-(:func:`polestar_jax.plan.plan`, nothing allocated, nothing compiled) for each ``offload_hidden`` mode and
+(:func:`polestar_jax.engine.plan.plan`, nothing allocated, nothing compiled) for each ``offload_hidden`` mode and
 reports the bytes resident in device memory between refreshes, the bytes moved to host memory, and what
 is saved against the exact store (``none``). The accuracy / TPF side of the trade is measured by
 ``python -m bench.run`` (decoder ``polestar-int8``) on the trained tiny model.
@@ -23,7 +23,7 @@ from typing import Optional
 
 from bench.common import REPO_ROOT, RESULTS_DIR
 from polestar_jax.config import DecodeConfig, ModelConfig, OFFLOAD_HIDDEN, PolestarConfig
-from polestar_jax.plan import plan
+from polestar_jax.engine.plan import plan
 
 CONFIG_8B = os.path.join(REPO_ROOT, "tests", "data", "llada8b_config.json")
 DEFAULT_OUT = RESULTS_DIR

@@ -1,7 +1,7 @@
 """Rows a Polestar refresh computes and moves, by number of width buckets (issue #4).
 
 A refresh stage runs at the smallest compiled width that holds every batch row's selected rows
-(:mod:`polestar_jax.compaction`, ``PolestarConfig.refresh_buckets``). This runs Polestar on the trained tiny
+(:mod:`polestar_jax.decode.polestar.compaction`, ``PolestarConfig.refresh_buckets``). This runs Polestar on the trained tiny
 model over the same held-out task instances for each bucket count and batch size, and reports per refresh
 step (steps where some row of the batch refreshes):
 
@@ -33,7 +33,7 @@ import numpy as np
 from bench import tasks as T
 from bench.common import RESULTS_DIR, decode_batches, load_bench_model, prompt_slot
 from bench.run import DECODERS, decode_config
-from polestar_jax import compaction as RF
+from polestar_jax.decode.polestar import compaction as RF
 from polestar_jax.config import OFFLOAD_HIDDEN, PolestarConfig
 
 DEFAULT_OUT = RESULTS_DIR

@@ -18,12 +18,12 @@ import dataclasses
 import os
 from typing import Iterator, Optional, Sequence
 
-from polestar_jax.checkpoint import generation_defaults, load_model
+from polestar_jax.io.checkpoint import generation_defaults, load_model
 from polestar_jax.config import DecodeConfig, ModelConfig
-from polestar_jax.engine import Engine, GenerateResult
-from polestar_jax.engine import prompt_slot as engine_prompt_slot
+from polestar_jax.engine.engine import Engine, GenerateResult
+from polestar_jax.engine.engine import prompt_slot as engine_prompt_slot
 from polestar_jax.errors import PolestarError
-from polestar_jax.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer
+from polestar_jax.io.tokenizer import Tokenizer, bundled_model_dir, load_tokenizer
 
 __all__ = ["REPO_ROOT", "RESULTS_DIR", "BenchModel", "load_bench_model", "prompt_slot", "padded_batches",
            "decode_batches"]
@@ -66,7 +66,7 @@ def load_bench_model(model: Optional[str] = None, gen_length: Optional[int] = No
 
 def prompt_slot(prompts: Sequence[Sequence[int]], multiple: int = SLOT_MULTIPLE) -> int:
     """The prompt slot of a job: its longest prompt rounded up to ``multiple`` (the engine's rule,
-    :func:`polestar_jax.engine.prompt_slot`)."""
+    :func:`polestar_jax.engine.engine.prompt_slot`)."""
     return engine_prompt_slot([len(p) for p in prompts], multiple)
 
 

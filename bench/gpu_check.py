@@ -2,7 +2,7 @@
 
 Builds the LLaDA-8B architecture (``tests/data/llada8b_config.json``: d_model 4096, 32 heads, head dim 128,
 MLP 12288, vocab/embedding 126464) with ``n_layers`` cut down to ``--layers`` (default 4) and **random bf16
-weights drawn on the device** (``polestar_jax.model.init_params`` under ``jax.jit``, an ``rbg`` key;
+weights drawn on the device** (``polestar_jax.models.llada.init_params`` under ``jax.jit``, an ``rbg`` key;
 nothing is downloaded), then times one forward of each step kind, batch ``--batch``, on the first block
 (prompt ``--prompt-length`` + gen ``--gen-length`` = L keys, block ``--block-length`` = B rows):
 
@@ -91,20 +91,20 @@ import numpy as np
 from bench import bench_decoders as BD
 from bench.bench_decoders import _fmt
 from bench.common import REPO_ROOT
-from polestar_jax import model as M
-from polestar_jax import model_dream as MD
-from polestar_jax import draws as DR
-from polestar_jax import polestar_start as PST
-from polestar_jax import polestar_state as PSt
-from polestar_jax import polestar_step as PSS
-from polestar_jax.block import EngineSpec
+from polestar_jax.models import llada as M
+from polestar_jax.models import dream as MD
+from polestar_jax.decode.polestar import draws as DR
+from polestar_jax.decode.polestar import start as PST
+from polestar_jax.decode.polestar import state as PSt
+from polestar_jax.decode.polestar import step as PSS
+from polestar_jax.decode.block import EngineSpec
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.family import FAMILIES
+from polestar_jax.models.family import FAMILIES
 from polestar_jax.kernels import backend as KB
-from polestar_jax.polestar_state import proxy_heads
-from polestar_jax.samplers import cached_forward, full_forward
-from polestar_jax.state import init_decode_state
+from polestar_jax.decode.polestar.state import proxy_heads
+from polestar_jax.decode.samplers import cached_forward, full_forward
+from polestar_jax.decode.state import init_decode_state
 
 LLADA_8B_CONFIG = os.path.join(REPO_ROOT, "tests", "data", "llada8b_config.json")
 DREAM_7B_CONFIG = os.path.join(REPO_ROOT, "tests", "data", "dream7b_config.json")

@@ -8,7 +8,7 @@ tokenizer (the 256 byte symbols, no merges, plus LLaDA's special tokens).
 ``--family dream`` writes ``polestar_jax/assets/tiny_dream``: the layout of Dream-v0-Instruct-7B
 (``config.json`` with ``model_type`` Dream and the Qwen2 keys, Qwen2 tensor names with q/k/v biases, an untied
 head, grouped KV heads) with 2 layers of width 64, and a small Qwen2-style byte-level BPE tokenizer trained
-here with the ``tokenizers`` library (Qwen2's split regex and NFC, :func:`polestar_jax.tokenizer.qwen2_pipeline`;
+here with the ``tokenizers`` library (Qwen2's split regex and NFC, :func:`polestar_jax.io.tokenizer.qwen2_pipeline`;
 :data:`DREAM_MERGES` merges learned from the fixed :data:`DREAM_CORPUS`), Qwen2's and Dream's special tokens
 (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ..., ``<|beginoftext|>``, ``<|mask|>``) and the ChatML
 chat template.
@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from polestar_jax.config import ModelConfig
-from polestar_jax.tokenizer import asset_model_dir, qwen2_pipeline
+from polestar_jax.io.tokenizer import asset_model_dir, qwen2_pipeline
 
 #: The bundled folder this script builds (``polestar_jax/assets/tiny_random``).
 DEFAULT_OUT = asset_model_dir("tiny_random")
@@ -293,7 +293,7 @@ DREAM_CORPUS = (
 
 
 def build_dream_tokenizer() -> Tokenizer:
-    """Qwen2-style byte-level BPE (:func:`polestar_jax.tokenizer.qwen2_pipeline`): ids 0..255 are GPT-2's byte
+    """Qwen2-style byte-level BPE (:func:`polestar_jax.io.tokenizer.qwen2_pipeline`): ids 0..255 are GPT-2's byte
     symbols in code-point order (``!`` is 0, as in GPT-2's and Qwen2's vocabularies), then the
     :data:`DREAM_MERGES` merged symbols learned from :data:`DREAM_CORPUS` by ``tokenizers``' BPE trainer, in
     the order learned, then :data:`DREAM_ADDED_TOKENS`."""

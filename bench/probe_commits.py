@@ -5,7 +5,7 @@ Decodes the first ``--n`` evaluation instances of each ``--tasks`` task with eac
 model folder's generation and block length, and sorts every answer token by how it was committed:
 
 * ``early``: Polestar-Commit's early commit (a rise of the token's drift at middling confidence; the
-  ``commit_early`` mask of :class:`polestar_jax.polestar.StepOut`, which excludes tokens that also passed the
+  ``commit_early`` mask of :class:`polestar_jax.decode.polestar.policy.StepOut`, which excludes tokens that also passed the
   threshold);
 * ``suffix``: committed while an earlier block was being decoded (Polestar's suffix commits: the token's
   commit forward comes before its own block's first forward);
@@ -62,7 +62,7 @@ def commit_kinds(commit_step: np.ndarray, block_nfe: np.ndarray, early: Optional
 
 def early_mask(steps: Sequence, row: int, gen_length: int, block_length: int) -> np.ndarray:
     """[G] bool: the positions of ``row`` that a Polestar step committed early (``steps``: the per-block
-    StepOut buffers of a :class:`polestar_jax.engine.GenerateResult`)."""
+    StepOut buffers of a :class:`polestar_jax.engine.engine.GenerateResult`)."""
     out = np.zeros(gen_length, bool)
     for blk, st in enumerate(steps):
         out[blk * block_length:(blk + 1) * block_length] = np.asarray(st.commit_early)[:, row].any(axis=0)

@@ -34,9 +34,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench import tasks as T  # noqa: E402
 from bench import train_tiny as TT  # noqa: E402
-from polestar_jax import model as M  # noqa: E402
-from polestar_jax.checkpoint import generation_defaults, load_model  # noqa: E402
-from polestar_jax.tokenizer import load_tokenizer  # noqa: E402
+from polestar_jax.models import llada as M  # noqa: E402
+from polestar_jax.io.checkpoint import generation_defaults, load_model  # noqa: E402
+from polestar_jax.io.tokenizer import load_tokenizer  # noqa: E402
 
 PREFIXES = (0, 8, 16, 24, 32, 48)
 RATES = (0.2, 0.5, 0.8, 0.95)

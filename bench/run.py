@@ -74,7 +74,7 @@ from bench.common import RESULTS_DIR, decode_batches, load_bench_model, prompt_s
 from polestar_jax import cli, sharding
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.tokenizer import Tokenizer
+from polestar_jax.io.tokenizer import Tokenizer
 
 __all__ = ["Decoder", "DECODERS", "SWEPT", "SWEEP_THRESHOLDS", "RunConfig", "decode_config", "sweep_decoder",
            "variant_decoder",
@@ -290,7 +290,7 @@ def decode_config(d: Decoder, gen_length: int, block_length: int, early_exit: bo
 def _refresh_widths(dcfg: DecodeConfig) -> np.ndarray:
     """The nonzero widths a refresh's stage 3 (attention + MLP of the block and the selected window rows)
     is compiled at."""
-    from polestar_jax import compaction as RF
+    from polestar_jax.decode.polestar import compaction as RF
 
     pc = dcfg.polestar
     return np.asarray(RF.widths(pc, pc.window_rows(dcfg.block_length))[1:])

@@ -169,9 +169,9 @@ def _model(model_dir: Optional[str]):
 def scheduler_clients(model_dir: Optional[str], decoder: str, messages: list[str], concurrency: int,
                       max_batch: int, prompt_tokens: int, batch_wait: Optional[float] = None) -> dict:
     """The server's engine and scheduler without HTTP, in this process: the same closed loop of streaming
-    jobs (``concurrency`` client threads submitting to a :class:`polestar_jax.scheduler.Scheduler` on the
+    jobs (``concurrency`` client threads submitting to a :class:`polestar_jax.serving.scheduler.Scheduler` on the
     sampling program, as the server runs), so the HTTP layer's share of the server's seconds shows."""
-    from polestar_jax.scheduler import Job, Scheduler
+    from polestar_jax.serving.scheduler import Job, Scheduler
 
     m = _model(model_dir)
     dcfg = m.decode_config(decoder=decoder)
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "load_before": _loadavg(), "model": args.model or "tiny_tasks", "decoder": args.decoder,
               "max_batch": args.max_batch, "server": [], "fixed": []}
-    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import bundled_model_dir, load_tokenizer
 
     tok = load_tokenizer(args.model or bundled_model_dir())
     slot = -(-max(len(tok.chat_prompt_ids(m)) for m in messages) // 16) * 16  # the fixed batches' slot

@@ -17,13 +17,13 @@ masked tokens (the same scale as the ``1/t``-weighted sum of an independent row)
 
 Row layout (prompt LEFT-aligned): ``[chat prompt ids][answer ids + EOS * (G - len)][pad]``; the pad is hidden
 from attention with ``key_valid``; RoPE positions are ``0..`` per row. This is what
-the engine (:class:`polestar_jax.engine.Engine`) sees at inference (it left-pads prompts but starts every row's
+the engine (:class:`polestar_jax.engine.engine.Engine`) sees at inference (it left-pads prompts but starts every row's
 positions at its first real token and hides the padding), so a trained row and a decoded row look alike.
 
 Tokenizer: the byte-level tokenizer of the bundled model folder (``polestar_jax/assets/tiny_random``:
 ids 0..255 = bytes, then ``<|startoftext|>``, ``<|endoftext|>`` (EOS = pad), the chat header tokens,
 ``<|eot_id|>``, ``<|mdm_mask|>``); prompts are the chat-template rendering of the task prompt
-(:meth:`polestar_jax.tokenizer.Tokenizer.chat_prompt_ids`).
+(:meth:`polestar_jax.io.tokenizer.Tokenizer.chat_prompt_ids`).
 
 Checkpoints: an orbax ``CheckpointManager`` in ``--out`` holds the params, optimizer state and step
 (``state``) and a JSON item (``meta``: the numpy data-RNG state, the training configuration, the
@@ -66,11 +66,11 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench import tasks as T  # noqa: E402
 from polestar_jax import cli  # noqa: E402
-from polestar_jax import model as M  # noqa: E402
-from polestar_jax.checkpoint import param_shapes  # noqa: E402
+from polestar_jax.models import llada as M  # noqa: E402
+from polestar_jax.io.checkpoint import param_shapes  # noqa: E402
 from polestar_jax.config import DecodeConfig, ModelConfig  # noqa: E402
 from polestar_jax.errors import PolestarError  # noqa: E402
-from polestar_jax.tokenizer import Tokenizer, asset_model_dir, load_tokenizer  # noqa: E402
+from polestar_jax.io.tokenizer import Tokenizer, asset_model_dir, load_tokenizer  # noqa: E402
 
 #: The bundled folder whose byte-level tokenizer and chat template the tiny model uses.
 TOKENIZER_SOURCE = "tiny_random"
@@ -273,7 +273,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 
 def init_params(tc: TrainConfig, mcfg: ModelConfig) -> dict:
-    """Initial parameters from ``numpy.random.default_rng(seed)`` in the layout of ``polestar_jax.model``:
+    """Initial parameters from ``numpy.random.default_rng(seed)`` in the layout of ``polestar_jax.models.llada``:
     normal with std ``init_std`` for linear layers, 1 for the embedding, ones for the norms (numpy, so no
     compilation is spent on initialisation)."""
     shapes = param_shapes(mcfg)
@@ -293,7 +293,7 @@ def start_params(tc: TrainConfig, mcfg: ModelConfig) -> dict:
     """The weights of ``tc.init_from`` (float32; their shapes must be ``mcfg``'s), or :func:`init_params`."""
     if tc.init_from is None:
         return init_params(tc, mcfg)
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
 
     path = tc.init_from if os.path.isdir(tc.init_from) else asset_model_dir(tc.init_from)
     _, params = load_model(path, dtype="float32")
@@ -388,9 +388,9 @@ def evaluate(params, mcfg: ModelConfig, tok: Tokenizer, n_per_task: int, tc: Tra
              return_outputs: bool = False, engine=None):
     """Exact match per task on evaluation instances ``start..start+n-1`` (held-out seeds) with the
     one-token-per-step sampler (``llada``, ``steps = gen_length``, block ``block_length``). ``engine``: a
-    :class:`polestar_jax.engine.Engine` of this model's shapes to reuse (its compiled programs) across
+    :class:`polestar_jax.engine.engine.Engine` of this model's shapes to reuse (its compiled programs) across
     evaluations; default: a new one."""
-    from polestar_jax.engine import Engine
+    from polestar_jax.engine.engine import Engine
 
     engine = engine or Engine(params, mcfg, tok)
 
@@ -550,7 +550,7 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
         if eval_every and (step % eval_every == 0 or step == stop) and eval_n > 0:
             t0 = time.perf_counter()
             if eval_engine is None:
-                from polestar_jax.engine import Engine
+                from polestar_jax.engine.engine import Engine
 
                 eval_engine = Engine(state["params"], mcfg, tok)  # its programs serve every evaluation
             acc = evaluate(state["params"], mcfg, tok, eval_n, tc, engine=eval_engine)
@@ -601,7 +601,7 @@ def load_checkpoint(out: str, step: Optional[int] = None) -> tuple[dict, TrainCo
 
 def export(result: dict, tc: TrainConfig, out_dir: str, eval_n: int = 200) -> dict:
     """Writes the HF folder ``out_dir`` and evaluates the model loaded back from it."""
-    from polestar_jax.checkpoint import copy_aux_files, export_hf, load_model
+    from polestar_jax.io.checkpoint import copy_aux_files, export_hf, load_model
 
     mcfg, tok, meta = result["mcfg"], result["tok"], result["meta"]
     params = result["state"]["params"]

@@ -6,9 +6,9 @@ import json
 import os
 from typing import Optional, Union
 
-from polestar_jax.checkpoint import (CONFIG_FILE, DTypeLike, copy_aux_files, count_params, export_hf,
-                                     hf_shapes, hf_to_params, is_converted_folder, load_model, params_dtype,
-                                     read_hf_folder, require_folder, resolve_dtype, save_converted)
+from polestar_jax.io.checkpoint import (CONFIG_FILE, DTypeLike, copy_aux_files, count_params, export_hf,
+                                        hf_shapes, hf_to_params, is_converted_folder, load_model, params_dtype,
+                                        read_hf_folder, require_folder, resolve_dtype, save_converted)
 from polestar_jax.config import ModelConfig
 from polestar_jax.errors import CheckpointError
 
@@ -46,9 +46,9 @@ def _source_config(path: str) -> dict:
 def convert_hf_to_orbax(hf_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike],
                         dtype: DTypeLike = None) -> ConversionSummary:
     """Converts an HF LLaDA or Dream folder (``config.json`` + ``model.safetensors`` or sharded index; the
-    family's tensor names, :mod:`polestar_jax.checkpoint`) into a converted folder (``config.json`` + orbax
+    family's tensor names, :mod:`polestar_jax.io.checkpoint`) into a converted folder (``config.json`` + orbax
     ``params/``), casting to ``dtype`` if given, and copies the tokenizer / generation config files
-    (:data:`~polestar_jax.checkpoint.AUX_FILES`). See :func:`polestar_jax.checkpoint.save_converted` for
+    (:data:`~polestar_jax.io.checkpoint.AUX_FILES`). See :func:`polestar_jax.io.checkpoint.save_converted` for
     overwrite behaviour."""
     hf_dir = require_folder(hf_dir)
     out_dir = os.fspath(out_dir)

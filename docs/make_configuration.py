@@ -30,7 +30,8 @@ COMMAND = "python docs/make_configuration.py"
 if str(REPO) not in sys.path:  # run as a script from anywhere: import the checkout's package
     sys.path.insert(0, str(REPO))
 
-from polestar_jax import cli, config, family  # noqa: E402
+from polestar_jax import cli, config
+from polestar_jax.models import family  # noqa: E402
 from polestar_jax import generate  # noqa: E402
 
 QUESTION = "What does every decoding option do, and what is its default?"
@@ -211,7 +212,7 @@ def knob_classes() -> list[type]:
 
 def _family_overrides(cls: type) -> dict[str, list[tuple[str, Any]]]:
     """``field -> [(family, default)]``: the model families whose official code starts ``cls`` from other
-    defaults (:attr:`polestar_jax.family.Family.polestar_defaults`, applied to PolestarConfig)."""
+    defaults (:attr:`polestar_jax.models.family.Family.polestar_defaults`, applied to PolestarConfig)."""
     out: dict[str, list[tuple[str, Any]]] = {}
     if cls is not config.PolestarConfig:
         return out

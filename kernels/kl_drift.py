@@ -1,6 +1,6 @@
 """Fused attention-probability drift: scores, softmax and KL to the previous probabilities in one kernel.
 
-Polestar measures representation drift twice (see :mod:`polestar_jax.drift`):
+Polestar measures representation drift twice (see :mod:`polestar_jax.decode.polestar.drift`):
 
 * token drift: the last layer's attention rows of the block tokens (``q`` = rotated queries of the block,
   ``k`` = rotated keys) against the rows of the previous forward; ``mode="token"`` clamps both
@@ -49,7 +49,7 @@ from polestar_jax.kernels.backend import dispatch
 
 TOKEN_EPS = 1e-12
 CLUSTER_EPS = 1e-12
-MASK_VALUE = -1e30  # score of an invalid key (as polestar_jax.model / drift: keeps all-masked rows NaN-free)
+MASK_VALUE = -1e30  # score of an invalid key (as polestar_jax.models.llada / drift: keeps all-masked rows NaN-free)
 MODES = ("token", "cluster")
 
 
@@ -71,7 +71,7 @@ def kl_drift_reference(q: jax.Array, k: jax.Array, key_valid: Optional[jax.Array
                        flavor: str = "triton") -> tuple[jax.Array, jax.Array]:
     """Plain-jnp :func:`kl_drift` (same signature; the block / backend arguments are ignored).
 
-    Scores and softmax exactly as :func:`polestar_jax.model.attention` / :func:`polestar_jax.drift.proxy_attention`
+    Scores and softmax exactly as :func:`polestar_jax.models.llada.attention` / :func:`polestar_jax.decode.polestar.drift.proxy_attention`
     compute them, KL as :func:`kl_terms` (``docs/algorithm.md#token-drift``, ``#cluster-drift``; the tests'
     ``tests/drift_refs.py`` applies the same formula to materialised probabilities).
     """

@@ -1,7 +1,7 @@
 """Data movement of Polestar's sparse refresh: row gather (with int8 dequantisation), row scatter, and the
 centroid shift.
 
-In a refresh step every layer (see :func:`polestar_jax.polestar_step.step_forward`)
+In a refresh step every layer (see :func:`polestar_jax.decode.polestar.step.step_forward`)
 
 1. gathers the packet rows' stored hidden states (``hs`` [b, R, D], possibly int8 + per-row scales when
    offloaded) -> :func:`gather_rows`;
@@ -41,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from polestar_jax.kernels.backend import dispatch
 
-COUNT_EPS = 1e-6  # as polestar_jax.cluster.COUNT_EPS
+COUNT_EPS = 1e-6  # as polestar_jax.decode.polestar.cluster.COUNT_EPS
 _MAX_BLOCK_D = 1024  # triton feature chunk (power of two)
 
 

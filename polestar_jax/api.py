@@ -12,7 +12,7 @@
 
 :func:`load` reads a model folder (HF or converted; the bundled ``tiny_tasks`` model when none is given) with
 its tokenizer, chat template and generation defaults, and turns on the persistent compilation cache the
-command lines use (:mod:`polestar_jax.cache`; ``POLESTAR_JAX_CACHE=off`` or ``compile_cache=False`` opts
+command lines use (:mod:`polestar_jax.engine.compile_cache`; ``POLESTAR_JAX_CACHE=off`` or ``compile_cache=False`` opts
 out). :meth:`Model.generate` decodes a list of strings as one batch (or in batches of ``batch_size``) with the
 same engine as ``python -m polestar_jax.generate``; the decoder knobs are the fields of
 :class:`~polestar_jax.config.DecodeConfig` and :class:`~polestar_jax.config.PolestarConfig` as keyword
@@ -20,7 +20,7 @@ arguments, with the same defaults as the command line (decoder ``polestar``; gen
 folder's ``generation_config.json``, else 128 / 32; cache ``none`` for ``llada``, else ``dual``).
 
 Prompt ``i`` of a call is row ``i`` of the job: its randomness (sampling noise, Polestar's k-means draws) comes
-from ``(seed, i)`` only (:func:`polestar_jax.state.row_key_data`), so it decodes the same whatever the batch
+from ``(seed, i)`` only (:func:`polestar_jax.decode.state.row_key_data`), so it decodes the same whatever the batch
 size, exactly as the ``i``-th prompt of ``generate --prompts-file``.
 
 Accounting, as ``bench.run`` counts it (and the paper): ``non_eos_tokens`` = generated ids that are not the
@@ -52,7 +52,7 @@ def decode_config(defaults: Optional[Mapping[str, int]] = None, polestar: Option
 
     ``given``: :data:`DECODE_FIELDS` and :data:`POLESTAR_FIELDS` by name; a knob that is not passed takes its
     default, ``None`` means none (``threshold=None``: the fixed schedule). ``defaults``: the model folder's
-    generation defaults (:func:`polestar_jax.checkpoint.generation_defaults`) for ``gen_length`` /
+    generation defaults (:func:`polestar_jax.io.checkpoint.generation_defaults`) for ``gen_length`` /
     ``block_length``. ``polestar``: a whole :class:`PolestarConfig` instead of single knobs. ``family``: the
     model family (``ModelConfig.family``), whose Polestar parameters (``Family.polestar_defaults``, e.g.
     Dream's) replace the defaults of the knobs not given. What the resolution changed (a block length cut
@@ -162,31 +162,31 @@ class Model:
     mesh:           shard over a device mesh: ``"data=2,model=4"`` or a ``jax.sharding.Mesh``; a string first
                     joins the multi-process runtime the environment describes
                     (:func:`polestar_jax.sharding.join_runtime`), so the mesh spans every process's devices
-    compile_cache:  turn on JAX's persistent compilation cache for this process (:mod:`polestar_jax.cache`;
+    compile_cache:  turn on JAX's persistent compilation cache for this process (:mod:`polestar_jax.engine.compile_cache`;
                     a process-wide setting, so off unless asked; the command lines ask; ``POLESTAR_JAX_CACHE=off``
                     keeps it off)
-    log:            called with a line before and after each compile (:class:`polestar_jax.engine.Engine`)
+    log:            called with a line before and after each compile (:class:`polestar_jax.engine.engine.Engine`)
 
-    ``model.engine`` is the :class:`~polestar_jax.engine.Engine` every call decodes on (it keeps the compiled
+    ``model.engine`` is the :class:`~polestar_jax.engine.engine.Engine` every call decodes on (it keeps the compiled
     programs; ``model.engine.clear()`` drops them).
     """
 
     def __init__(self, path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
                  compile_cache: bool = False, log: Optional[Any] = None):
         from polestar_jax import cli
-        from polestar_jax.tokenizer import bundled_model_dir
+        from polestar_jax.io.tokenizer import bundled_model_dir
 
         if path is not None:
             cli.need_folder(str(path))
         self.path = str(path) if path is not None else bundled_model_dir()
         self.compile_cache_dir = None
         if compile_cache:
-            from polestar_jax.cache import enable_compile_cache
+            from polestar_jax.engine.compile_cache import enable_compile_cache
 
             self.compile_cache_dir = enable_compile_cache()
         from polestar_jax import sharding
-        from polestar_jax.checkpoint import generation_defaults, load_model
-        from polestar_jax.tokenizer import load_tokenizer
+        from polestar_jax.io.checkpoint import generation_defaults, load_model
+        from polestar_jax.io.tokenizer import load_tokenizer
 
         self.defaults = generation_defaults(self.path)
         if isinstance(mesh, str):  # join a multi-process runtime first (environment / cluster), if any
@@ -198,7 +198,7 @@ class Model:
         self.config, self.params = load_model(self.path, dtype=dtype, shardings=mesh)
         self.dtype = dtype
         self.tokenizer = load_tokenizer(self.path)
-        from polestar_jax.engine import Engine
+        from polestar_jax.engine.engine import Engine
 
         self.engine = Engine(self.params, self.config, self.tokenizer, mesh=mesh, log=log)
         self.params = self.engine.params
@@ -250,8 +250,8 @@ class Model:
     def precompile(self, shapes: Sequence[tuple[int, int]], *, running: bool = False,
                    polestar: Optional[PolestarConfig] = None, **knobs: Any) -> list:
         """Compiles the programs :meth:`generate` would use for these ``(batch, prompt_slot)`` shapes and
-        knobs now, and returns their :class:`~polestar_jax.cache.CompileRecord` (none for a shape already
-        compiled). A fixed batch of n prompts runs at :func:`~polestar_jax.engine.batch_bucket` ``(n)``
+        knobs now, and returns their :class:`~polestar_jax.engine.compile_cache.CompileRecord` (none for a shape already
+        compiled). A fixed batch of n prompts runs at :func:`~polestar_jax.engine.engine.batch_bucket` ``(n)``
         rows and prompt slot ``ceil(longest / 16) * 16``; ``running=True`` compiles a continuous job's
         programs (``batch_size`` smaller than the prompts) instead. With ``load(..., compile_cache=True)``
         later processes load them from the persistent cache."""

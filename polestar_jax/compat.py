@@ -80,7 +80,7 @@ def compute_on_host(f: F) -> F:
     """``f`` (typically ``jax.jit``-ed) traced to run on the host (``compute_type="device_host"``), its
     outputs left in host memory (``jax.memory.Space.Host``, where the inputs of the offload helpers live).
 
-    Used as a decorator by :mod:`polestar_jax.offload`; the same lowered module on every supported version
+    Used as a decorator by :mod:`polestar_jax.decode.polestar.offload`; the same lowered module on every supported version
     (a call with ``_xla_compute_type = "host"``)."""
     if COMPUTE_ON_KEYWORD_ONLY:
         return _compute_on(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)

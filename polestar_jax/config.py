@@ -55,7 +55,7 @@ def _check_fields(d: dict, source: str, required: Sequence[str], values: dict) -
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and ids of a model of either family: LLaDA (``block_type=llama``) or Dream (Qwen2 layout);
-    ``family`` names it (:data:`polestar_jax.family.FAMILIES`).
+    ``family`` names it (:data:`polestar_jax.models.family.FAMILIES`).
 
     Attribute names follow the HF ``config.json`` of LLaDA-8B-Instruct; :meth:`from_dict` maps a Dream
     ``config.json`` onto them (``hidden_size`` -> ``d_model``, ``num_attention_heads`` -> ``n_heads``, ...,
@@ -77,7 +77,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     include_qkv_bias: bool = False
-    family: str = "llada"  # the model family (polestar_jax.family.FAMILIES)
+    family: str = "llada"  # the model family (polestar_jax.models.family.FAMILIES)
 
     def __post_init__(self):
         self.validate("ModelConfig")
@@ -328,7 +328,7 @@ def knob(default, help: str, flag: Optional[str] = None, aliases: tuple[str, ...
 
 
 #: The server's default wait for returning clients after rows finish, as a fraction of the last block call
-#: (:class:`polestar_jax.scheduler.Scheduler`'s ``batch_wait``): at most this share of a block call, only
+#: (:class:`polestar_jax.serving.scheduler.Scheduler`'s ``batch_wait``): at most this share of a block call, only
 #: after a block in which rows finished.
 BATCH_WAIT = 0.1
 #: Drift/refresh kernel implementations (:attr:`PolestarConfig.kernels`).

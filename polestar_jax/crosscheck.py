@@ -145,8 +145,8 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
     same settings run ``batch`` at a time."""
     import jax.numpy as jnp
 
-    from polestar_jax import model
-    from polestar_jax.engine import Engine, prompt_slot
+    from polestar_jax.models import llada
+    from polestar_jax.engine.engine import Engine, prompt_slot
     engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
 
     data = _read_json(os.path.join(folder, "cases.json"))
@@ -161,13 +161,13 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
         try:
             ref = np.load(os.path.join(folder, case["file"]))
             ids = jnp.asarray(np.asarray(case["input_ids"], np.int32))
-            out = np.asarray(model.logits_full(params, ids, cfg))
+            out = np.asarray(llada.logits_full(params, ids, cfg))
             used = _budget_used(out, ref)
             detail = f"max error {used:.0%} of tolerance"
             ok = used <= 1.0
             if case.get("hidden_states_file"):
                 href = np.load(os.path.join(folder, case["hidden_states_file"]))
-                hs = np.asarray(model.hidden_states(params, ids, cfg))
+                hs = np.asarray(llada.hidden_states(params, ids, cfg))
                 hused = _budget_used(hs, href)
                 detail += f"; hidden states {hused:.0%}"
                 ok = ok and hused <= 1.0
@@ -290,9 +290,9 @@ def replay_polestar_folder(folder: str, params, cfg, pad_multiple: int = 16,
     import jax.numpy as jnp
 
     from polestar_jax.config import DecodeConfig, PolestarConfig
-    from polestar_jax.engine import Engine, prompt_slot
+    from polestar_jax.engine.engine import Engine, prompt_slot
     engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
-    from polestar_jax.replay import build_replay
+    from polestar_jax.decode.polestar.replay import build_replay
 
     knobs = {} if refresh_buckets is None else {"refresh_buckets": refresh_buckets}
     results: list[CaseResult] = []
@@ -342,8 +342,8 @@ def family_logits(params, ids, cfg, collect_hidden: bool = False):
     (``collect_hidden``) the hidden states [N+1, b, L, D]: every layer's input, then the final norm's output."""
     import jax.numpy as jnp
 
-    from polestar_jax import model
-    from polestar_jax.family import family_of
+    from polestar_jax.models import llada
+    from polestar_jax.models.family import family_of
 
     fam = family_of(cfg)
     b, length = ids.shape
@@ -352,7 +352,7 @@ def family_logits(params, ids, cfg, collect_hidden: bool = False):
     logits = fam.lm_head(params, out.h, cfg)
     if not collect_hidden:
         return logits, None
-    final = model.rms_norm(out.h, params["ln_f"], cfg.rms_norm_eps)
+    final = llada.rms_norm(out.h, params["ln_f"], cfg.rms_norm_eps)
     return logits, jnp.concatenate([out.hidden, final[None]], axis=0)
 
 
@@ -391,7 +391,7 @@ def dream_polestar_config(threshold_early, kernels: str = "auto", refresh_bucket
     """The :class:`PolestarConfig` of the official Dream Polestar path: the Dream family's Polestar
     parameters, ``threshold_early`` as given, and the suffix pre-commit off (the official one writes into a
     copy, so it never takes effect: faithful mode, docs/differences.md#d26)."""
-    from polestar_jax.family import FAMILIES
+    from polestar_jax.models.family import FAMILIES
 
     knobs = {} if refresh_buckets is None else {"refresh_buckets": refresh_buckets}
     return FAMILIES["dream"].polestar_config(early_threshold=threshold_early, suffix_precommit=False,
@@ -407,7 +407,7 @@ def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
     at a time."""
     import jax.numpy as jnp
 
-    from polestar_jax.engine import Engine, prompt_slot
+    from polestar_jax.engine.engine import Engine, prompt_slot
     engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
 
     data = _read_json(os.path.join(folder, "cases.json"))
@@ -481,13 +481,13 @@ def replay_dream_folder(folder: str, params, cfg, pad_multiple: int = 16,
 
 
 def dream_replay(folder: str, cases: list, cfg, dcfg):
-    """The :class:`~polestar_jax.draws.Replay` of Dream Polestar cases (one row per case): the k-means draws
+    """The :class:`~polestar_jax.decode.polestar.draws.Replay` of Dream Polestar cases (one row per case): the k-means draws
     and labels and the per-layer cluster selections of each case's ``trace`` / ``decisions`` files. The
     structural ties (``docs/differences.md#d27``) are not injected: ``PolestarConfig.tie_break="shared_row"``
     decides them."""
     import jax.numpy as jnp
 
-    from polestar_jax.replay import build_replay
+    from polestar_jax.decode.polestar.replay import build_replay
 
     reps = []
     for case in cases:
@@ -566,7 +566,7 @@ def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: 
     ``batch`` cases at a time."""
     import jax
 
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
 
     jax.config.update("jax_default_matmul_precision", "highest")
     kind = detect_format(folder)

@@ -326,7 +326,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     from lm_eval.utils import handle_non_serializable
 
     from polestar_jax import sharding
-    from polestar_jax.cache import enable_compile_cache
+    from polestar_jax.engine.compile_cache import enable_compile_cache
     from polestar_jax.lm_eval_model import MODEL_NAME, PolestarLM
 
     enable_compile_cache()  # the command line asks for the persistent compilation cache (the library does not)

@@ -91,7 +91,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def resolve_args(args, defaults: Optional[dict] = None, family: Optional[str] = None):
     """The :class:`polestar_jax.resolve.Resolved` configuration of the parsed arguments (the one resolution
     the API, the lm-eval model and the server share): ``defaults`` (the model folder's
-    :func:`polestar_jax.checkpoint.generation_defaults`) fill ``--gen-length`` / ``--block-length`` when
+    :func:`polestar_jax.io.checkpoint.generation_defaults`) fill ``--gen-length`` / ``--block-length`` when
     they are not given; ``family`` (the model's ``ModelConfig.family``) gives decoder polestar its family's
     Polestar parameters under the knobs given. Raises :class:`PolestarError` for a flag that would have no
     effect; the notes say what the resolution changed."""
@@ -122,7 +122,7 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-from polestar_jax.cache import compile_summary, enable_compile_cache  # noqa: E402,F401 - kept here for callers and tests
+from polestar_jax.engine.compile_cache import compile_summary, enable_compile_cache  # noqa: E402,F401 - kept here for callers and tests
 
 
 def _precompile(engine, dcfg: DecodeConfig, shapes, compile_only: bool, leader: bool) -> bool:
@@ -135,9 +135,9 @@ def _precompile(engine, dcfg: DecodeConfig, shapes, compile_only: bool, leader: 
 
 
 def dry_run(args, dcfg: DecodeConfig) -> int:
-    """``--dry-run``: memory plan from abstract arrays only (see :mod:`polestar_jax.plan`)."""
-    from polestar_jax.plan import plan
-    from polestar_jax.tokenizer import bundled_model_dir
+    """``--dry-run``: memory plan from abstract arrays only (see :mod:`polestar_jax.engine.plan`)."""
+    from polestar_jax.engine.plan import plan
+    from polestar_jax.io.tokenizer import bundled_model_dir
 
     for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file), ("--mesh", args.mesh),
                         ("--coordinator", args.coordinator), ("--num-processes", args.num_processes),
@@ -184,8 +184,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     _check_plan_flags(args)
     if args.model is not None:
         cli.need_folder(args.model)
-    from polestar_jax.checkpoint import generation_defaults
-    from polestar_jax.tokenizer import bundled_model_dir
+    from polestar_jax.io.checkpoint import generation_defaults
+    from polestar_jax.io.tokenizer import bundled_model_dir
 
     defaults = {} if args.dry_run and args.model_config else generation_defaults(args.model or bundled_model_dir())
     resolved = resolve_args(args, defaults, _family(args.model_config if args.dry_run and args.model_config
@@ -203,9 +203,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         return dry_run(args, dcfg)
 
-    from polestar_jax.checkpoint import load_model
-    from polestar_jax.engine import Engine
-    from polestar_jax.tokenizer import load_tokenizer
+    from polestar_jax.io.checkpoint import load_model
+    from polestar_jax.engine.engine import Engine
+    from polestar_jax.io.tokenizer import load_tokenizer
 
     from polestar_jax import sharding
 

@@ -71,7 +71,7 @@ from lm_eval.api.registry import register_model
 
 from polestar_jax import api
 from polestar_jax.config import DecodeConfig, PolestarConfig
-from polestar_jax.engine import PAD_MULTIPLE, prompt_slot
+from polestar_jax.engine.engine import PAD_MULTIPLE, prompt_slot
 from polestar_jax.errors import PolestarError
 
 __all__ = ["MODEL_NAME", "MODEL_ARGS", "PolestarLM", "parse_model_args", "gen_length_for", "apply_until"]
@@ -551,7 +551,7 @@ def _summary(records: Sequence[dict], compile_seconds: float) -> dict:
 def _guided_logits(params, noisy, uncond, valid, scale, mcfg, use_cfg: bool):
     """Logits predicting every position (the model family's forward and logit alignment: Dream predicts
     position p from row p-1), with unsupervised classifier-free guidance when ``use_cfg``."""
-    from polestar_jax.family import family_of
+    from polestar_jax.models.family import family_of
 
     fam = family_of(mcfg)
     logits = fam.logits(params, noisy, mcfg, key_valid=valid)

@@ -9,7 +9,7 @@ options here, so the same options give the same configuration everywhere:
   A gen length that is not a multiple of the default block length is refused, unless it is shorter than
   one block: then the block is the gen length, and a note says so (a model trained with one block length
   may answer wrongly with another);
-* Polestar knobs start from the model family's values (Dream's official ones, :mod:`polestar_jax.family`);
+* Polestar knobs start from the model family's values (Dream's official ones, :mod:`polestar_jax.models.family`);
   a Polestar knob with another decoder, ``steps`` with a threshold rule, or a value the configs reject is
   an error (:class:`PolestarError`, one line).
 """
@@ -72,7 +72,7 @@ def resolve(given: Mapping[str, Any], knobs: Optional[Mapping[str, Any]] = None,
     (``gen_length`` / ``block_length``); ``family``: the model family, whose Polestar values replace the
     defaults of the knobs not given; ``polestar``: a whole PolestarConfig instead of single knobs; ``name``:
     how messages name a field (the CLI: its flag). Raises :class:`PolestarError` (one line)."""
-    from polestar_jax.family import polestar_config_for
+    from polestar_jax.models.family import polestar_config_for
 
     dec, knobs, defaults = dict(given), dict(knobs or {}), dict(defaults or {})
     unknown = sorted(set(dec) - set(DECODE_FIELDS)) + sorted(set(knobs) - set(POLESTAR_FIELDS))

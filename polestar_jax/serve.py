@@ -10,7 +10,7 @@ declared shapes at start (``--max-batch`` rows, prompts up to ``--max-prompt-tok
 * ``GET /v1/models``, ``GET /health`` (200 ready, 503 starting or draining), ``GET /metrics`` (Prometheus).
 
 Requests join the running batch at the next block boundary and leave when their answer is done
-(:mod:`polestar_jax.scheduler`); a request's tokens depend only on its prompt, settings and seed (default
+(:mod:`polestar_jax.serving.scheduler`); a request's tokens depend only on its prompt, settings and seed (default
 0), so they equal ``python -m polestar_jax.generate --seed S --temperature T --gen-length G`` on that prompt
 alone (G: ``max_tokens`` rounded up to whole blocks; completions: with ``--no-chat``). Bad input is a 400
 with an OpenAI-style error object; a full queue a 429 with ``Retry-After``; SIGTERM / Ctrl-C stops
@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ running it
 def _limits(args, model):
-    """(:class:`polestar_jax.serve_api.ServerLimits`, the server's DecodeConfig) of the flags and the model."""
+    """(:class:`polestar_jax.serving.app.ServerLimits`, the server's DecodeConfig) of the flags and the model."""
     from polestar_jax.resolve import resolve
-    from polestar_jax.serve_api import ServerLimits, round_up
+    from polestar_jax.serving.app import ServerLimits, round_up
 
     given = cli.given_config_values(args, DecodeConfig)
     knobs = cli.given_config_values(args, PolestarConfig)
@@ -92,7 +92,7 @@ def _limits(args, model):
     if slot > room:
         raise PolestarError(f"--max-prompt-tokens {slot} + gen length {dcfg.gen_length} exceeds the model's "
                             f"max_sequence_length {model.config.max_sequence_length}")
-    from polestar_jax.scheduler import check_settings
+    from polestar_jax.serving.scheduler import check_settings
 
     check_settings(args.max_batch, args.max_queue, args.batch_wait, name=flag)
     if args.drain_seconds < 0:
@@ -128,8 +128,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if not 0 <= args.port < 65536:
         raise PolestarError(f"--port must be in [0, 65535], got {args.port}")
     from polestar_jax import api
-    from polestar_jax.scheduler import Scheduler
-    from polestar_jax.serve_api import create_app
+    from polestar_jax.serving.scheduler import Scheduler
+    from polestar_jax.serving.app import create_app
 
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     model = api.load(args.model, dtype=args.dtype, mesh=args.mesh, compile_cache=True, log=log)

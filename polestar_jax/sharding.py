@@ -20,7 +20,7 @@ one-dimensional ``model`` axis cannot express without cutting heads.
 Multi-process (several hosts, or several processes on one host): :func:`join_runtime` joins JAX's own
 multi-controller runtime (``jax.distributed.initialize``) before anything touches a device; a mesh then
 spans every process's devices, each process holds only its shards (parameters are built shard by shard
-from the checkpoint: :func:`polestar_jax.checkpoint.load_model` ``shardings=``), every process passes the
+from the checkpoint: :func:`polestar_jax.io.checkpoint.load_model` ``shardings=``), every process passes the
 same host arrays (prompts, decode state) and :func:`shard` materialises only its local shards of them, and
 :func:`to_host` gathers results on every process.
 """
@@ -92,7 +92,7 @@ def _fit(shape: tuple[int, ...], axes: tuple, mesh: Mesh) -> P:
 
 
 def param_shardings(params: Any, mesh: Mesh, cfg: Any = None) -> Any:
-    """NamedShardings for the parameter pytree of a model family (:mod:`polestar_jax.model`; Dream adds
+    """NamedShardings for the parameter pytree of a model family (:mod:`polestar_jax.models.llada`; Dream adds
     ``blocks/bq``, ``bk``, ``bv``). With ``cfg`` (its :class:`~polestar_jax.config.ModelConfig`) the attention
     projections split in whole query / KV heads or not at all (module docstring); without it every
     dimension is split by its size alone, which can cut a head."""
@@ -110,7 +110,7 @@ def param_shardings(params: Any, mesh: Mesh, cfg: Any = None) -> Any:
 
 def state_shardings(tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a DecodeState (or a Replay / any pytree whose leaves lead with the batch), from
-    the axes each state field declares (:func:`polestar_jax.state.axes`)."""
+    the axes each state field declares (:func:`polestar_jax.decode.state.axes`)."""
     from polestar_jax.axes import axes_of
 
     return jax.tree.map(lambda leaf, ax: NamedSharding(mesh, _fit(leaf.shape, ax.spec, mesh) if leaf.ndim else P()),

@@ -48,7 +48,7 @@ def matmul_precision_highest():
 @pytest.fixture(scope="session")
 def tiny_a():
     """(cfg, params) of ``tests/data/llada_tiny_a`` in float32."""
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
 
     return load_model(str(TINY_A_DIR), dtype="float32")
 
@@ -56,7 +56,7 @@ def tiny_a():
 @pytest.fixture(scope="session")
 def dream():
     """(cfg, params) of ``tests/data/dream_tiny_a`` in float32."""
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
 
     return load_model(str(DREAM_DIR), dtype="float32")
 

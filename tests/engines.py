@@ -1,4 +1,4 @@
-"""The suite's engines: one :class:`polestar_jax.engine.Engine` per model configuration, parameter shapes and
+"""The suite's engines: one :class:`polestar_jax.engine.engine.Engine` per model configuration, parameter shapes and
 mesh, shared by the tests of a process, so that a decode shape compiles once per process.
 
 The package keeps no module-level cache of executables (an engine owns its own); this cache of engines is the
@@ -12,7 +12,7 @@ import dataclasses
 
 import jax
 
-from polestar_jax.engine import Engine, GenerateResult
+from polestar_jax.engine.engine import Engine, GenerateResult
 
 _ENGINES: dict = {}
 

@@ -31,7 +31,7 @@ def _shards(spec: str, folder: str) -> dict:
     import numpy as np
 
     from polestar_jax import sharding
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
 
     mesh = sharding.make_mesh(spec)
     _, full = load_model(folder, dtype="float32")

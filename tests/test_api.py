@@ -152,7 +152,7 @@ def test_compile_cache_opt_out(monkeypatch, tmp_path):
     monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
     assert api.load().compile_cache_dir is None
     assert api.load(compile_cache=False).compile_cache_dir is None
-    from polestar_jax import cache
+    from polestar_jax.engine import compile_cache as cache
 
     assert cache.cache_folder() is None
     monkeypatch.setenv("POLESTAR_JAX_CACHE", str(tmp_path / "cc"))

@@ -292,8 +292,8 @@ def test_frontier_readoff_interpolates_at_matched_accuracy():
 
 def test_every_task_instance_fits_the_trained_layout():
     """The benchmark's instances fit the bundled model's answer length (answers + EOS <= gen_length)."""
-    from polestar_jax.checkpoint import generation_defaults
-    from polestar_jax.tokenizer import bundled_model_dir
+    from polestar_jax.io.checkpoint import generation_defaults
+    from polestar_jax.io.tokenizer import bundled_model_dir
 
     gen = generation_defaults(bundled_model_dir()).get("gen_length", 32)
     for task in T.TASK_NAMES:
@@ -304,10 +304,10 @@ def test_every_task_instance_fits_the_trained_layout():
 def test_bundled_model_solves_the_tasks_it_learned():
     """The shipped tiny_tasks model answers held-out copy / reverse instances (100% when exported, see its
     README) -- a corrupted or mis-exported checkpoint fails here."""
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
     from polestar_jax.config import DecodeConfig
     from engines import generate  # tests/engines.py
-    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import bundled_model_dir, load_tokenizer
 
     cfg, params = load_model(bundled_model_dir())
     tok = load_tokenizer(bundled_model_dir())

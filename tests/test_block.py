@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import block
+from polestar_jax.decode import block
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import ConfigError
-from polestar_jax.family import FAMILIES, family_of
-from polestar_jax.state import axes_of, init_decode_state, row_key_data, select_rows
+from polestar_jax.models.family import FAMILIES, family_of
+from polestar_jax.decode.state import axes_of, init_decode_state, row_key_data, select_rows
 
 CFG = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=48, vocab_size=64,
                   embedding_size=64, mask_token_id=63, eos_token_id=62, pad_token_id=62, max_sequence_length=128)

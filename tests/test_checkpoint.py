@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from polestar_jax.checkpoint import (INDEX_FILE, export_hf, hf_shapes, hf_to_params, load_model, param_shapes,
-                                     params_to_hf, read_hf_folder, save_converted)
+from polestar_jax.io.checkpoint import (INDEX_FILE, export_hf, hf_shapes, hf_to_params, load_model, param_shapes,
+                                        params_to_hf, read_hf_folder, save_converted)
 from polestar_jax.config import ModelConfig
 from polestar_jax.convert import convert_hf_to_orbax, convert_orbax_to_hf
 from polestar_jax.convert.__main__ import main as convert_main
 from polestar_jax.errors import CheckpointError, ConfigError, PolestarError
-from polestar_jax.safetensors_io import read_safetensors, write_safetensors
+from polestar_jax.io.safetensors_io import read_safetensors, write_safetensors
 
 TINY = Path(__file__).parent / "data" / "llada_tiny_a"
 TINY_ST = TINY / "model.safetensors"

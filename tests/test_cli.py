@@ -16,7 +16,7 @@ import pytest
 
 from polestar_jax import crosscheck
 from polestar_jax import generate as gen_cli
-from polestar_jax.tokenizer import bundled_model_dir
+from polestar_jax.io.tokenizer import bundled_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_A_DIR = Path(__file__).parent / "data" / "llada_tiny_a"

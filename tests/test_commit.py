@@ -1,4 +1,4 @@
-"""Unit tests of the commit rules (``polestar_jax.commit``) against straightforward Python ports."""
+"""Unit tests of the commit rules (``polestar_jax.decode.commit``) against straightforward Python ports."""
 from __future__ import annotations
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import commit as C
+from polestar_jax.decode import commit as C
 
 T = 12  # block length of the random tests
 R = 256  # rows of every commit-rule call (one shape: each jitted rule compiles once)

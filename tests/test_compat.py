@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from polestar_jax import compat
-from polestar_jax.checkpoint import hf_to_params, is_converted_folder, load_model, read_hf_folder
+from polestar_jax.io.checkpoint import hf_to_params, is_converted_folder, load_model, read_hf_folder
 from polestar_jax.config import ModelConfig
 from polestar_jax.kernels import backend as BK
 from polestar_jax.kernels import kl_drift as KD
@@ -114,8 +114,8 @@ def test_compute_on_api_detected():
 
 def test_compute_on_host_runs_on_the_host():
     """A jitted gather decorated with compute_on_host, called on a host-placed array inside jit (as
-    polestar_jax.offload does): the right rows, computed in a ``_xla_compute_type = "host"`` call."""
-    from polestar_jax import offload as OF
+    polestar_jax.decode.polestar.offload does): the right rows, computed in a ``_xla_compute_type = "host"`` call."""
+    from polestar_jax.decode.polestar import offload as OF
 
     if not OF.host_memory_available():
         pytest.skip("this backend has no pinned_host memory")

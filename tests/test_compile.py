@@ -14,11 +14,11 @@ import os
 import jax
 import pytest
 
-from polestar_jax import executables
+from polestar_jax.engine import executables
 from polestar_jax import generate as gen_cli
-from polestar_jax.cache import CompileRecord, compile_summary
+from polestar_jax.engine.compile_cache import CompileRecord, compile_summary
 from polestar_jax.config import DecodeConfig
-from polestar_jax.engine import Engine, batch_bucket
+from polestar_jax.engine.engine import Engine, batch_bucket
 from polestar_jax.errors import PolestarError
 
 DUAL = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=32, block_length=8, steps=32, threshold=0.9)
@@ -27,8 +27,8 @@ PROMPTS = ["reverse: ann,bob,cal,dan", "copy: eve,fay,gus", "sort: kat,jan,ivy"]
 
 @pytest.fixture(scope="module")
 def bundled():
-    from polestar_jax.checkpoint import load_model
-    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+    from polestar_jax.io.checkpoint import load_model
+    from polestar_jax.io.tokenizer import bundled_model_dir, load_tokenizer
 
     cfg, params = load_model(bundled_model_dir())
     tok = load_tokenizer(bundled_model_dir())
@@ -87,7 +87,7 @@ def store(monkeypatch, tmp_path):
 
 def _traced(monkeypatch) -> list:
     """Counts the traces of the block program from now on."""
-    import polestar_jax.engine as engine_mod
+    from polestar_jax.engine import engine as engine_mod
 
     calls, real = [], engine_mod.decode_block
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import commit as R
+from polestar_jax.decode import commit as R
 from polestar_jax import crosscheck as CC
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import ConfigError
-from polestar_jax.family import FAMILIES, family_of
+from polestar_jax.models.family import FAMILIES, family_of
 
 DREAM_DIR = Path(__file__).parent / "data" / "dream_tiny_a"
 
@@ -59,8 +59,8 @@ def test_config_rejects_what_it_cannot_run(change, word):
 
 # ----------------------------------------------------------------------------------------- checkpoint
 def test_checkpoint_maps_qwen2_names(dream):
-    from polestar_jax.checkpoint import hf_to_params, params_to_hf
-    from polestar_jax.safetensors_io import read_safetensors
+    from polestar_jax.io.checkpoint import hf_to_params, params_to_hf
+    from polestar_jax.io.safetensors_io import read_safetensors
 
     cfg, params = dream
     blocks = params["blocks"]
@@ -76,7 +76,7 @@ def test_checkpoint_maps_qwen2_names(dream):
 
 
 def test_kv_cache_holds_the_kv_heads(dream):
-    from polestar_jax.state import init_decode_state
+    from polestar_jax.decode.state import init_decode_state
 
     cfg, _ = dream
     dc = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=32, block_length=16)
@@ -198,8 +198,8 @@ def test_dream_polestar_parameters_are_family_defaults():
 
 # ------------------------------------------------------------------------------- Polestar on Dream
 def test_dream_proxy_score_averages_heads_then_one_softmax(dream):
-    from polestar_jax import drift as Dr
-    from polestar_jax import model_dream as MD
+    from polestar_jax.decode.polestar import drift as Dr
+    from polestar_jax.models import dream as MD
 
     cfg, params = dream
     lp = jax.tree.map(lambda a: a[0], params["blocks"])
@@ -223,8 +223,8 @@ def test_structural_tie_goes_to_the_later_position():
 
 
 def test_full_pass_window_is_fixed_and_the_windowed_pass_keeps_2b_b(dream):
-    from polestar_jax.polestar_state import geometry
-    from polestar_jax.state import init_decode_state
+    from polestar_jax.decode.polestar.state import geometry
+    from polestar_jax.decode.state import init_decode_state
 
     cfg, _ = dream
     dcfg = DecodeConfig(decoder="polestar", gen_length=64, block_length=16, threshold=0.9,

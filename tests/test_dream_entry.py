@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from polestar_jax import api, engine
+from polestar_jax import api
+from polestar_jax.engine import engine
 from polestar_jax import generate as gen_cli
-from polestar_jax.checkpoint import load_model, params_dtype
+from polestar_jax.io.checkpoint import load_model, params_dtype
 from polestar_jax.config import PolestarConfig
 from polestar_jax.convert.__main__ import main as convert_main
-from polestar_jax.family import FAMILIES
-from polestar_jax.tokenizer import asset_model_dir
+from polestar_jax.models.family import FAMILIES
+from polestar_jax.io.tokenizer import asset_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"

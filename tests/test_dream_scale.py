@@ -29,7 +29,7 @@ import pytest
 from polestar_jax import crosscheck as CC
 from polestar_jax.config import DecodeConfig, ModelConfig
 from engines import generate  # tests/engines.py
-from polestar_jax.family import FAMILIES
+from polestar_jax.models.family import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -135,7 +135,7 @@ import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 assert len(jax.devices()) == 8, jax.devices()
 from polestar_jax import crosscheck as CC, sharding
-from polestar_jax.checkpoint import load_model, param_shapes
+from polestar_jax.io.checkpoint import load_model, param_shapes
 from polestar_jax.config import DecodeConfig, ModelConfig
 import os as _os, sys as _sys  # tests/engines.py: the folder above the data folder argv[1]
 _p = _os.path.abspath(_sys.argv[1])
@@ -143,8 +143,8 @@ while not _os.path.exists(_os.path.join(_p, "engines.py")):
     _p = _os.path.dirname(_p)
 _sys.path.insert(0, _p)
 from engines import generate  # noqa: E402
-from polestar_jax.family import FAMILIES
-from polestar_jax.state import init_decode_state
+from polestar_jax.models.family import FAMILIES
+from polestar_jax.decode.state import init_decode_state
 
 dream_dir, cfg7_path = sys.argv[1], sys.argv[2]
 out = {}
@@ -271,7 +271,7 @@ def test_dream7b_config_and_memory_plan(capsys):
     store of Dream's 64 + 32 window rows, the rest of Polestar's state (one proxy-attention head) and the
     whole decode state; ``--dry-run`` prints them for the config alone and compiles the block step."""
     from polestar_jax.generate import main
-    from polestar_jax.plan import plan
+    from polestar_jax.engine.plan import plan
 
     cfg = ModelConfig.from_json(str(DREAM_7B))
     assert cfg.family == "dream" and cfg.include_qkv_bias
@@ -369,7 +369,7 @@ def test_cluster_drift_kernel_on_dreams_proxy_inputs(dream, flavor):
     KV heads: one "head" each), a length no block divides and a left-padded row, in the interpreter: equal
     to its jnp reference, whose probabilities are ``drift.proxy_attention(mode="mean")``, the function the
     block start stores."""
-    from polestar_jax import drift as Dr
+    from polestar_jax.decode.polestar import drift as Dr
     from polestar_jax.kernels import kl_drift as KD
 
     cfg, params = dream
@@ -406,8 +406,8 @@ def test_dream_polestar_block_exports_with_kernels(dream, platform, offload):
     tpu from this CPU: the Pallas kernels lower into it (Triton / Mosaic custom calls), and with the int8
     store it lives in pinned host memory."""
     from polestar_jax import compat
-    from polestar_jax.block import EngineSpec, Knobs, decode_block
-    from polestar_jax.state import init_decode_state
+    from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
+    from polestar_jax.decode.state import init_decode_state
 
     cfg, params = dream
     dc = _polestar(offload_hidden=offload)

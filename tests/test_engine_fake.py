@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import family as F
+from polestar_jax.models import family as F
 from polestar_jax.config import DecodeConfig, ModelConfig
-from polestar_jax.block import compact_width
-from polestar_jax.engine import Engine, RunningBatch
-from polestar_jax.model import ForwardOut
+from polestar_jax.decode.block import compact_width
+from polestar_jax.engine.engine import Engine, RunningBatch
+from polestar_jax.models.llada import ForwardOut
 
 V, EOS, MASK, PAD, EOS_AT, B = 16, 1, 15, 0, 14, 4
 CFG = ModelConfig(d_model=V, n_heads=1, n_kv_heads=1, n_layers=1, mlp_hidden_size=4, vocab_size=V,
@@ -45,9 +45,9 @@ FAKE = dataclasses.replace(F.LLADA, name="fake", forward=_forward, embed=lambda 
 
 @pytest.fixture(scope="module")
 def engine():
-    F.FAMILIES["fake"] = FAKE
+    F.register_family(FAKE)
     yield Engine({"w": jnp.zeros((1,), jnp.float32)}, CFG)
-    del F.FAMILIES["fake"]
+    F.FAMILIES.unregister("fake")
 
 
 def expected(prompt_len: int, gen: int = 16) -> np.ndarray:

@@ -111,11 +111,11 @@ def test_cpu_export_is_reference():
 
 @pytest.fixture(scope="module")
 def block_step_args():
-    """Abstract params / state / knobs of the tiny Polestar block step (as polestar_jax.plan builds them)."""
-    from polestar_jax import model as M
-    from polestar_jax.block import EngineSpec, Knobs
+    """Abstract params / state / knobs of the tiny Polestar block step (as polestar_jax.engine.plan builds them)."""
+    from polestar_jax.models import llada as M
+    from polestar_jax.decode.block import EngineSpec, Knobs
     from polestar_jax.config import DecodeConfig, ModelConfig
-    from polestar_jax.state import init_decode_state
+    from polestar_jax.decode.state import init_decode_state
 
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=48, vocab_size=64,
                       embedding_size=64, mask_token_id=63, eos_token_id=62, pad_token_id=62,
@@ -134,7 +134,7 @@ def test_polestar_block_step_exports(block_step_args, platform):
     """The whole Polestar block (block-start pass + while-loop of decode steps with refresh) lowers for
     GPU and TPU. It is plain jnp today (no kernel custom call); once polestar.py calls the kernels with
     backend="auto", the same export carries them."""
-    from polestar_jax.block import decode_block as run_block
+    from polestar_jax.decode.block import decode_block as run_block
 
     params, state, block_idx, knobs, spec = block_step_args
     exp = compat.export(jax.jit(run_block, static_argnames=("spec",)), platforms=[platform],

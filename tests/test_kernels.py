@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import drift as Dr
-from polestar_jax import model as M
-from polestar_jax import polestar_state as PSt
+from polestar_jax.decode.polestar import drift as Dr
+from polestar_jax.models import llada as M
+from polestar_jax.decode.polestar import state as PSt
 from polestar_jax.config import ModelConfig
 from polestar_jax.kernels import backend as BK
 from polestar_jax.kernels import kl_drift as KD

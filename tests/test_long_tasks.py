@@ -175,7 +175,7 @@ def test_semantics_examples():
 
 def test_tiny_long_preset_fits():
     from bench import train_tiny as TT
-    from polestar_jax.tokenizer import asset_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import asset_model_dir, load_tokenizer
 
     tc = TT.preset_config("tiny_long")
     assert tc.preset == "tiny_long" and set(T.LONG_TASK_NAMES) <= set(tc.tasks)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import model as M
+from polestar_jax.models import llada as M
 from polestar_jax.config import ModelConfig
 
 TINY_A_DIR = Path(__file__).parent / "data" / "llada_tiny_a"

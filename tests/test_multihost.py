@@ -361,7 +361,7 @@ def test_sharded_load_equals_load_then_device_put(tmp_path):
     import numpy as np
 
     from polestar_jax import sharding
-    from polestar_jax.checkpoint import load_model, save_converted
+    from polestar_jax.io.checkpoint import load_model, save_converted
 
     mesh = sharding.make_mesh(f"data=1,model={len(jax.devices())}")
     folder = os.path.join(DATA, "polestar_tiny_p")

@@ -1,4 +1,4 @@
-"""Polestar's hidden-state store offload (``PolestarConfig.offload_hidden``, :mod:`polestar_jax.offload`):
+"""Polestar's hidden-state store offload (``PolestarConfig.offload_hidden``, :mod:`polestar_jax.decode.polestar.offload`):
 int8 / bf16 encodings, placement in ``pinned_host`` memory, the refresh patching only selected rows, the
 lowered GPU module's placement annotations, and the fallback where a backend has no host memory."""
 from __future__ import annotations
@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from polestar_jax import compat
-from polestar_jax import offload as OF
-from polestar_jax import polestar as PS
-from polestar_jax import polestar_step as PSS
-from polestar_jax import polestar_state as PSt
-from polestar_jax.checkpoint import load_model
+from polestar_jax.decode.polestar import offload as OF
+from polestar_jax.decode.polestar import policy as PS
+from polestar_jax.decode.polestar import step as PSS
+from polestar_jax.decode.polestar import state as PSt
+from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
 from engines import generate  # tests/engines.py
-from polestar_jax.state import init_decode_state
+from polestar_jax.decode.state import init_decode_state
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")
 MODES = ("none", "int8", "bf16")
@@ -176,7 +176,7 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
     """The whole block step exported for cuda (and tpu): with int8 offload the store arguments/results carry
     ``memory_kind = "pinned_host"``, the module moves rows with ``annotate_device_placement`` and gathers /
     scatters them with host computations; without offload none of these appears."""
-    from polestar_jax.block import EngineSpec, Knobs, decode_block as run_block
+    from polestar_jax.decode.block import EngineSpec, Knobs, decode_block as run_block
 
     cfg, params = tiny_p
     texts = {}

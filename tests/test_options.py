@@ -177,9 +177,9 @@ def test_check_utf8_counts_bytes_not_characters():
 def test_polestar_samples_with_temperature():
     """T > 0 under Polestar: outputs depend on T and on the seed, and a fixed (T, seed) reproduces."""
     from bench import tasks as T
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
     from engines import generate  # tests/engines.py
-    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import bundled_model_dir, load_tokenizer
 
     cfg, params = load_model(bundled_model_dir())
     tok = load_tokenizer(bundled_model_dir())

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from polestar_jax import crosscheck
-from polestar_jax.checkpoint import load_model
+from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
 from engines import generate  # tests/engines.py
 from polestar_jax.errors import ConfigError
@@ -134,7 +134,7 @@ def test_interpret_kernels_match_reference_on_bundled_model():
     """The Pallas kernels (in the interpreter) and the jnp references decode identically. (One refresh width:
     every kernel still runs -- the row gather / scatter at width R -- and the interpreted kernels of every
     width branch would dominate this test's time; widths do not change tokens: tests/test_refresh.py.)"""
-    from polestar_jax.tokenizer import asset_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import asset_model_dir, load_tokenizer
 
     folder = asset_model_dir("tiny_random")  # its flat predictions make the refresh trigger
     cfg, params = load_model(folder)
@@ -153,7 +153,7 @@ def test_cluster_ranking_ignores_rounding_noise():
     """Scores that differ only by float rounding (clusters of identical rows, docs/differences.md#d3) rank
     as ties wherever their values lie, so the lowest index wins whatever the noise; real differences keep
     their order; invalid slots never win."""
-    from polestar_jax import polestar_step
+    from polestar_jax.decode.polestar import step as polestar_step
 
     SCORE_TIE_RTOL = polestar_step.SCORE_TIE_RTOL
     tie_groups = jax.jit(polestar_step.tie_groups)  # one compile per shape (eager ops compile one by one)

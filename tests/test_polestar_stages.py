@@ -27,17 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import cluster as C
-from polestar_jax import commit as R
-from polestar_jax import drift as Dr
-from polestar_jax import polestar_start as PST
-from polestar_jax import polestar_step as PSS
-from polestar_jax import polestar_state as PSt
-from polestar_jax import draws as DR
-from polestar_jax.checkpoint import load_model
+from polestar_jax.decode.polestar import cluster as C
+from polestar_jax.decode import commit as R
+from polestar_jax.decode.polestar import drift as Dr
+from polestar_jax.decode.polestar import start as PST
+from polestar_jax.decode.polestar import step as PSS
+from polestar_jax.decode.polestar import state as PSt
+from polestar_jax.decode.polestar import draws as DR
+from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
-from polestar_jax.replay import build_replay
-from polestar_jax.state import init_decode_state
+from polestar_jax.decode.polestar.replay import build_replay
+from polestar_jax.decode.state import init_decode_state
 
 import drift_refs  # tests/drift_refs.py
 

@@ -1,5 +1,5 @@
-"""The compacted sparse refresh (:mod:`polestar_jax.compaction`, the row reads / writes of
-:mod:`polestar_jax.offload`, and the three refresh stages of :func:`polestar_jax.polestar_step.step_forward`):
+"""The compacted sparse refresh (:mod:`polestar_jax.decode.polestar.compaction`, the row reads / writes of
+:mod:`polestar_jax.decode.polestar.offload`, and the three refresh stages of :func:`polestar_jax.decode.polestar.step.step_forward`):
 compaction against numpy, the row store against a plain reference for every storage mode (host and device),
 and a refresh step that gives the same result at every number of width buckets while reading only the
 rows it selects."""
@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax import offload as OF
-from polestar_jax import polestar as PS
-from polestar_jax import polestar_step as PSS
-from polestar_jax import polestar_state as PSt
-from polestar_jax import compaction as RF
-from polestar_jax.checkpoint import load_model
+from polestar_jax.decode.polestar import offload as OF
+from polestar_jax.decode.polestar import policy as PS
+from polestar_jax.decode.polestar import step as PSS
+from polestar_jax.decode.polestar import state as PSt
+from polestar_jax.decode.polestar import compaction as RF
+from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
 from polestar_jax.errors import ConfigError
-from polestar_jax.state import init_decode_state
+from polestar_jax.decode.state import init_decode_state
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")
 GEN, BLOCK = 32, 8

@@ -19,7 +19,7 @@ import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 assert len(jax.devices()) == 8, jax.devices()
 from polestar_jax import crosscheck, sharding
-from polestar_jax.checkpoint import load_model
+from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig
 import os as _os, sys as _sys  # tests/engines.py: the folder above the data folder argv[1]
 _p = _os.path.abspath(_sys.argv[1])
@@ -48,7 +48,7 @@ for row, (p, r) in enumerate(((a, 11), (b, 22))):  # rows of different lengths t
 sh = generate(params, cfg, [a, b], dc, seed=7, rows=[11, 22], prompt_slot=16, mesh=mesh)
 out["polestar/dual mesh = one device"] = all(same(both, r, sh, r) for r in (0, 1))
 # the initial state is built on its shards (K/V cache over data x model), equal to the one-device state
-from polestar_jax.state import init_decode_state
+from polestar_jax.decode.state import init_decode_state
 st = init_decode_state(cfg, dc, [a, b], 16, seed=7, rows=[11, 22], mesh=mesh)
 ref = init_decode_state(cfg, dc, [a, b], 16, seed=7, rows=[11, 22])
 leaves, want = jax.tree.leaves(st), jax.tree.leaves(sharding.state_shardings(ref, mesh))
@@ -103,7 +103,7 @@ def test_crosscheck_batched_llada_format(tiny_a):
 def test_dry_run_plans_8b_from_config_only(capsys):
     """--dry-run sizes the 8B model from its config.json alone (abstract arrays, no weights)."""
     from polestar_jax.generate import main
-    from polestar_jax.plan import plan
+    from polestar_jax.engine.plan import plan
     from polestar_jax.config import ModelConfig
 
     cfg = ModelConfig.from_json(os.path.join(DATA, "llada8b_config.json"))

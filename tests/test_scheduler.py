@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from polestar_jax.api import load
-from polestar_jax.scheduler import Job, NotAccepting, QueueFull, Scheduler, cut_at_stop
+from polestar_jax.serving.scheduler import Job, NotAccepting, QueueFull, Scheduler, cut_at_stop
 
 TEXTS = ["reverse: jan,kat,leo,pat", "copy: rex,val,jan", "sort: pat,jan,kat", "remove 2: jan,kat,leo,pat,rex",
          "insert val at 1: jan,kat,leo", "copy: kat,leo,pat,rex,val", "reverse: val,rex", "replace 2 with jan: kat,leo,pat"]
@@ -108,7 +108,7 @@ def test_windowed_and_full_block_starts_in_one_call(model):
     """Polestar in a running batch: rows whose block starts differ in kind share one block call (row 0 at its
     block 3, a windowed start; rows 1-2 at block 0, full starts; row 3 free), and each gets its tokens
     alone. (The batch is the scheduler's sampling program of test_exact_under_load: no new compile.)"""
-    from polestar_jax.engine import RunningBatch
+    from polestar_jax.engine.engine import RunningBatch
 
     dcfg = model.decode_config(gen_length=32, decoder="polestar")
     assert dcfg.polestar.windowed_period == 4 and dcfg.num_blocks == 4
@@ -204,7 +204,7 @@ def test_cut_at_stop():
 def test_dream_family_exact_under_load(name):
     """The Dream family (the bundled random tiny_dream: Qwen2 layout, logit shift, its own Polestar
     parameters): 8 jobs of mixed lengths on 3 rows, each = the prompt alone."""
-    from polestar_jax.tokenizer import asset_model_dir
+    from polestar_jax.io.tokenizer import asset_model_dir
 
     dream = load(asset_model_dir("tiny_dream"))
     dcfg = dream.decode_config(gen_length=32, block_length=8, **DECODERS[name])

@@ -228,8 +228,8 @@ def test_full_queue_is_429_with_retry_after(model):
     tested in tests/test_scheduler.py)."""
     from fastapi.testclient import TestClient
 
-    from polestar_jax.scheduler import QueueFull
-    from polestar_jax.serve_api import ServerLimits, create_app
+    from polestar_jax.serving.scheduler import QueueFull
+    from polestar_jax.serving.app import ServerLimits, create_app
 
     class Full:
         dcfg = model.decode_config(decoder="fastdllm")
@@ -362,8 +362,8 @@ def _gate_client(api_key=None):
     window between SIGTERM and the closed socket is too short to hit reliably, and a key needs its own server."""
     from fastapi import FastAPI
 
-    from polestar_jax.serve_api import Api, Gate
-    from polestar_jax.serve_metrics import Metrics
+    from polestar_jax.serving.app import Api, Gate
+    from polestar_jax.serving.metrics import Metrics
 
     inner = FastAPI()
     inner.post("/v1/completions")(lambda: {"ok": True})

@@ -84,7 +84,7 @@ def test_shuffle_accepts_any_permutation_only():
 
 def test_instances_fit_the_layout():
     """Every instance fits a 48-token generation and a 72-token chat prompt (bench/train_tiny.py)."""
-    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import bundled_model_dir, load_tokenizer
 
     tok = load_tokenizer(bundled_model_dir())
     for task in T.TASK_NAMES:
@@ -114,7 +114,7 @@ def test_training_stream_skips_held_out_prompts():
 
 
 def test_decode_answer_cuts_at_eos():
-    from polestar_jax.tokenizer import bundled_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import bundled_model_dir, load_tokenizer
 
     tok = load_tokenizer(bundled_model_dir())
     eos = tok.eos_token_id

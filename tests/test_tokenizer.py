@@ -15,7 +15,7 @@ import pytest
 
 from polestar_jax.config import ModelConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.tokenizer import Tokenizer, asset_model_dir, bundled_model_dir, load_tokenizer
+from polestar_jax.io.tokenizer import Tokenizer, asset_model_dir, bundled_model_dir, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = Path(bundled_model_dir())
@@ -59,7 +59,7 @@ def test_bundled_folders_are_package_data(name: str, limit: int) -> None:
 
 
 def test_default_model_is_the_trained_one() -> None:
-    from polestar_jax.checkpoint import generation_defaults
+    from polestar_jax.io.checkpoint import generation_defaults
 
     assert BUNDLED == Path(asset_model_dir("tiny_tasks"))
     d = generation_defaults(BUNDLED)

@@ -22,7 +22,7 @@ def _run(tc, out, **kw):
 
 
 def test_batch_layout():
-    from polestar_jax.tokenizer import asset_model_dir, load_tokenizer
+    from polestar_jax.io.tokenizer import asset_model_dir, load_tokenizer
 
     tok = load_tokenizer(asset_model_dir(TT.TOKENIZER_SOURCE))
     batch, rows = TT.make_batch(T.train_rng(0), TINY, tok)
@@ -63,8 +63,8 @@ def test_loss_falls_and_resume_is_exact(tmp_path):
 
 
 def test_export_loads_back(tmp_path):
-    from polestar_jax.checkpoint import load_model
-    from polestar_jax.tokenizer import load_tokenizer
+    from polestar_jax.io.checkpoint import load_model
+    from polestar_jax.io.tokenizer import load_tokenizer
 
     res = _run(TINY, tmp_path / "c", stop_at=2)  # same configuration: reuses the compiled step
     # --export-only reads the checkpoint back without training, with the configuration it was saved with
@@ -87,7 +87,7 @@ def test_export_loads_back(tmp_path):
 def test_init_from_starts_at_those_weights_and_eval_tasks_pick_the_evaluation(tmp_path):
     """``init_from`` (fine-tuning) starts the run at a model folder's weights exactly; a folder of other
     shapes is refused in one line; ``eval_tasks`` chooses what the evaluations score."""
-    from polestar_jax.checkpoint import load_model
+    from polestar_jax.io.checkpoint import load_model
 
     base = _run(TINY, tmp_path / "base", stop_at=2)
     TT.export(base, TINY, str(tmp_path / "model"), eval_n=1)

@@ -2,8 +2,8 @@
 of the refresh window's top-drift clusters in the same layer pass.
 
 A refreshing layer runs three stages, each over the compacted rows it needs, at the smallest compiled
-width that holds them (:mod:`polestar_jax.compaction`; stages 1 and 2 compact only a store in host memory,
-:func:`polestar_jax.compaction.store_widths`):
+width that holds them (:mod:`polestar_jax.decode.polestar.compaction`; stages 1 and 2 compact only a store in host memory,
+:func:`polestar_jax.decode.polestar.compaction.store_widths`):
 
 1. :func:`patch_packet`: the *packet* (rows the previous layer recomputed): their stored inputs are read
    (for the centroid shift) and overwritten with the new ones, and their K/V are projected with the block's
@@ -24,18 +24,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax.commit import rank_desc
-from polestar_jax.compaction import (by_width, chosen_width, compact, complement_widths, spread_rows, store_widths,
-                                    take_rows, widths)
+from polestar_jax.decode.commit import rank_desc
+from polestar_jax.decode.polestar.compaction import (by_width, chosen_width, compact, complement_widths, spread_rows, store_widths,
+                                                     take_rows, widths)
 from polestar_jax.config import ModelConfig, PolestarConfig
-from polestar_jax.drift import proxy_inputs
-from polestar_jax.family import Family, family_of
+from polestar_jax.decode.polestar.drift import proxy_inputs
+from polestar_jax.models.family import Family, family_of
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
-from polestar_jax.model import Keys, Rope, layer_scan, slice_write
-from polestar_jax.offload import fetch_rows, uses_host, write_rows
-from polestar_jax.polestar_state import Geometry, rows_at
-from polestar_jax.state import DecodeState
+from polestar_jax.models.llada import Keys, Rope, layer_scan, slice_write
+from polestar_jax.decode.polestar.offload import fetch_rows, uses_host, write_rows
+from polestar_jax.decode.polestar.state import Geometry, rows_at
+from polestar_jax.decode.state import DecodeState
 
 #: Relative tolerance under which two cluster scores count as tied (~2.4e-4): ~10x the float32 noise of
 #: the structural ties seen so far (identical rows: at most ~2e-5 relative across the batch sizes and mesh

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax.rows import batch_max
+from polestar_jax.decode.rows import batch_max
 
 from polestar_jax.config import PolestarConfig
 

@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax import offload
-from polestar_jax.cluster import Clusters, KMeansDraws, cluster_windows
+from polestar_jax.decode.polestar import offload
+from polestar_jax.decode.polestar.cluster import Clusters, KMeansDraws, cluster_windows
 from polestar_jax.config import ModelConfig, PolestarConfig
-from polestar_jax.drift import proxy_attention
-from polestar_jax.family import family_of
+from polestar_jax.decode.polestar.drift import proxy_attention
+from polestar_jax.models.family import family_of
 from polestar_jax.kernels.refresh import scatter_kv_rows
-from polestar_jax.model import Rope, layer_scan
-from polestar_jax.polestar_state import Geometry, rows_at
-from polestar_jax.state import DecodeState
+from polestar_jax.models.llada import Rope, layer_scan
+from polestar_jax.decode.polestar.state import Geometry, rows_at
+from polestar_jax.decode.state import DecodeState
 
 
 class PassOut(NamedTuple):
@@ -26,7 +26,7 @@ class PassOut(NamedTuple):
 
     k: jax.Array  # [N, b, KV, L, hd]
     v: jax.Array
-    hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.offload), host memory when offloaded
+    hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.decode.polestar.offload), host memory when offloaded
     hs_scale: jax.Array  # [N, b, R]
     rows: jax.Array  # [N, b, R, D] every layer's refresh-window inputs as computed (what is clustered)
     p_prev: jax.Array  # [b, H, B, L]
@@ -36,7 +36,7 @@ class PassOut(NamedTuple):
 class StartOut(NamedTuple):
     k: jax.Array  # [N, b, KV, L, hd]
     v: jax.Array
-    hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.offload), host memory when offloaded
+    hs: jax.Array  # [N, b, R, D] encoded (see polestar_jax.decode.polestar.offload), host memory when offloaded
     hs_scale: jax.Array  # [N, b, R]
     clusters: Clusters  # leaves [N, b, ...]
     s_prev: jax.Array  # [N, b, H, K, L] (H = 1 with proxy_score "mean")
@@ -125,7 +125,7 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
 def cluster_layers(params, out: PassOut, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig,
                    block: int, draws: tuple[KMeansDraws, KMeansDraws], unroll: int | bool = 1) -> StartOut:
     """Every layer's refresh-window inputs of a block-start pass clustered (k-means over the prefix and
-    suffix windows, :func:`polestar_jax.cluster.cluster_windows`), and the proxy attention of the centroids
+    suffix windows, :func:`polestar_jax.decode.polestar.cluster.cluster_windows`), and the proxy attention of the centroids
     against the layer's new keys (``s_prev``). Run once after whichever pass ran, so the program holds one
     copy of it."""
     pre = pc.prefix_rows(block)

@@ -218,7 +218,7 @@ def layer_scan(body: Callable, carry: Any, xs: Any, buffers: Any, unroll: int | 
     ``body(carry, x, layer_buffers) -> (carry, y, new_layer_buffers)``. Returns ``(carry, ys, buffers)``.
 
     Passed as scan inputs and outputs instead, a vmap over rows (a running batch's per-row program,
-    :func:`polestar_jax.block.decode_block`) would move the cache's batch axis to 1 for the scan and back
+    :func:`polestar_jax.decode.block.decode_block`) would move the cache's batch axis to 1 for the scan and back
     to 0 for the enclosing loops and branches: two transposes of the whole cache per forward. In the carry
     its batch axis stays where the loops keep it, and the cache is updated in place."""
 

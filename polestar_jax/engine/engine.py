@@ -10,7 +10,7 @@ and a device mesh). It owns
 * the accounting: the response cut at the family's stop tokens, non-EOS tokens, TPF and Polestar's
   statistics (:meth:`Engine.completion`).
 
-Jobs run in one of two ways, with the same block program (:func:`polestar_jax.block.decode_block`):
+Jobs run in one of two ways, with the same block program (:func:`polestar_jax.decode.block.decode_block`):
 
 * :meth:`Engine.run`: a fixed batch; every block of every row is dispatched asynchronously and the results
   are read once at the end (the golden replays and ``crosscheck`` use this, with the per-step statistics);
@@ -32,15 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax import executables
-from polestar_jax.block import EngineSpec, Knobs, compact_width, decode_block
-from polestar_jax.cache import CompileRecord, cache_hits
+from polestar_jax.engine import executables
+from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block
+from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.polestar_state import STAT_FIELDS
+from polestar_jax.decode.polestar.state import STAT_FIELDS
 from polestar_jax.sharding import to_host
-from polestar_jax.state import (DecodeState, PromptFields, StateLayout, axes_of, build_state, init_decode_state,
-                                prompt_fields, row_key_data)
+from polestar_jax.decode.state import (DecodeState, PromptFields, StateLayout, axes_of, build_state, init_decode_state,
+                                       prompt_fields, row_key_data)
 
 #: Prompt slots are multiples of this many tokens (the default bucketing; see :meth:`Engine.prompt_slot`).
 PAD_MULTIPLE = 16
@@ -290,7 +290,7 @@ class Engine:
 
     def _program(self, key, build: Callable[[], Any], what: str):
         """The program cached under ``key`` (on first use: loaded from the executable store without tracing
-        (:mod:`polestar_jax.executables`), or ``build()`` traces and lowers it, then XLA compiles it or the
+        (:mod:`polestar_jax.engine.executables`), or ``build()`` traces and lowers it, then XLA compiles it or the
         persistent cache loads it; the store keeps what XLA compiled); returns (program, seconds)."""
         if key in self._programs:
             self._programs.move_to_end(key)
@@ -408,7 +408,7 @@ class Engine:
 
         prompts:     b token-id lists; left-padded to ``prompt_slot`` (default :meth:`prompt_slot`)
         seed, rows:  prompt r's randomness comes from ``(seed, rows[r])`` only (default ``rows = 0..b-1``)
-        replay:      (Polestar) a :class:`polestar_jax.draws.Replay` of decisions from a PyTorch trace
+        replay:      (Polestar) a :class:`polestar_jax.decode.polestar.draws.Replay` of decisions from a PyTorch trace
         gen_lengths: per row, a multiple of the block length up to ``dcfg.gen_length`` (default: all)
         params:      other parameters of the same shapes (default: the engine's)
         """
@@ -605,7 +605,7 @@ class RunningBatch:
     their slots. Knobs (threshold, factor, temperature) may differ per row; nothing recompiles.
 
     ``compact_rows``: each step of a block runs on the rows still active only, in chunks of this many rows
-    (:func:`polestar_jax.block.compact_width`; None: automatic, an eighth of a batch of 16 rows or more; 0:
+    (:func:`polestar_jax.decode.block.compact_width`; None: automatic, an eighth of a batch of 16 rows or more; 0:
     off). Tokens do not depend on it; a block whose rows need different numbers of forwards costs less."""
 
     def __init__(self, engine: Engine, dcfg: DecodeConfig, size: int, prompt_slot: int, sampling: bool = False,

@@ -2,7 +2,7 @@
 program share): the structural configuration (:class:`EngineSpec`), the traced knobs (:class:`Knobs`), the
 block context (:class:`BlockCtx`), the policy interface (:class:`Policy`) and the commit writer
 (:func:`write_commits`). The block program itself, and the registry of policies, are in
-:mod:`polestar_jax.block`.
+:mod:`polestar_jax.decode.block`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
-from polestar_jax.state import DecodeState
+from polestar_jax.decode.state import DecodeState
+from polestar_jax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,16 @@ class Policy(NamedTuple):
     step: Callable[[BlockCtx, DecodeState, jax.Array, jax.Array], tuple[DecodeState, Any]]
     bound: Callable[[BlockCtx], int]
     empty_stats: Callable[[BlockCtx, int], Any]
+
+
+#: ``DecodeConfig.decoder`` -> its :class:`Policy` (:func:`register_policy` adds one; the block program
+#: looks the decoder up here).
+POLICIES: Registry[Policy] = Registry("decoder")
+
+
+def register_policy(name: str, policy: Policy) -> Policy:
+    """Makes ``policy`` the decoder ``name`` (a :class:`ValueError` if the name is taken); returns it."""
+    return POLICIES.register(name, policy)
 
 
 def block_start_position(state: DecodeState, spec: EngineSpec, block_idx) -> jax.Array:

@@ -11,8 +11,9 @@ Every decoder is a *policy* plugged into the same program (:func:`decode_block`)
 
 Written once, here: the block geometry (:class:`BlockCtx`), the commit writer (:func:`write_commits`,
 which also counts the forward), the bounded ``lax.while_loop``, the per-step statistics buffer and the
-per-block NFE. The policies live in :mod:`polestar_jax.samplers` (LLaDA, Fast-dLLM) and
-:mod:`polestar_jax.polestar` (Polestar); a new policy is one new module and one line in :data:`POLICIES`.
+per-block NFE. The policies live in :mod:`polestar_jax.decode.samplers` (LLaDA, Fast-dLLM) and
+:mod:`polestar_jax.decode.polestar.policy` (Polestar); a new policy is one new module that calls
+:func:`~polestar_jax.decode.policy.register_policy`.
 """
 from __future__ import annotations
 
@@ -22,18 +23,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax import offload, polestar, samplers
-from polestar_jax.policy import (BlockCtx, EngineSpec, Knobs, Policy, block_start_position,  # noqa: F401 (re-exported)
-                                 context, live_rows, write_commits)
-from polestar_jax.rows import ROWS, batch_any
-from polestar_jax.state import DecodeState, axes_of, select_rows
+from polestar_jax.decode import samplers  # noqa: F401 (registers the llada and fastdllm policies)
+from polestar_jax.decode.polestar import offload
+from polestar_jax.decode.polestar import policy as polestar  # noqa: F401 (registers the polestar policy)
+from polestar_jax.decode.policy import (POLICIES, BlockCtx, EngineSpec, Knobs, Policy,  # noqa: F401 (re-exported)
+                                        block_start_position, context, live_rows, write_commits)
+from polestar_jax.decode.rows import ROWS, batch_any
+from polestar_jax.decode.state import DecodeState, axes_of, select_rows
 
-#: decoder name -> its :class:`Policy` (a new policy: one module and one entry here).
-POLICIES: dict[str, Policy] = {**samplers.POLICIES, **polestar.POLICIES}
+assert {"llada", "fastdllm", "polestar"} <= set(POLICIES), "the built-in policies register on import"
 
 
 def policy_for(decoder: str) -> Policy:
-    """The :class:`Policy` of ``decoder`` (a key of :data:`POLICIES`)."""
+    """The :class:`Policy` registered for ``decoder`` (:func:`~polestar_jax.decode.policy.register_policy`);
+    a one-line ConfigError naming the registered decoders otherwise."""
     return POLICIES[decoder]
 
 
@@ -247,8 +250,8 @@ def decode_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineS
     """The block program: one block of every live row, each row at its own block (``state.block``).
 
     With ``spec.per_row`` (a running batch that takes rows at any block boundary): a ``jax.vmap`` of
-    :func:`row_block` over the rows (axis :data:`polestar_jax.rows.ROWS`): a row computes what it would alone,
-    whatever block the other rows are at; the few batch-wide branch decisions (:mod:`polestar_jax.rows`) keep
+    :func:`row_block` over the rows (axis :data:`polestar_jax.decode.rows.ROWS`): a row computes what it would alone,
+    whatever block the other rows are at; the few batch-wide branch decisions (:mod:`polestar_jax.decode.rows`) keep
     real branches. Without it (a fixed batch whose rows start together): :func:`row_block` over the whole
     batch, which compiles faster; the rows compute the same. ``knobs`` leaves are scalars (shared) or [b] (per row).
     Returns ``(state, stats)``; ``stats`` leaves [steps, b, ...] (None for policies that record none)."""

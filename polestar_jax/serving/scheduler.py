@@ -1,6 +1,6 @@
 """Continuous batching at block granularity: the loop a server runs on one :class:`RunningBatch`.
 
-A :class:`Scheduler` owns one running batch of an :class:`~polestar_jax.engine.Engine` (one decode structure,
+A :class:`Scheduler` owns one running batch of an :class:`~polestar_jax.engine.engine.Engine` (one decode structure,
 ``max_batch`` slots, one prompt slot) and a bounded queue of :class:`Job` s. Its thread repeats: put waiting
 jobs into free slots (at a block boundary), advance every live row by one block, report each job's newly
 finished block (streaming), and hand back the rows that are done (their last block, early exit, a stop
@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from polestar_jax.config import BATCH_WAIT, DecodeConfig
-from polestar_jax.engine import Completion, Engine, RowOutput, RunningBatch
+from polestar_jax.engine.engine import Completion, Engine, RowOutput, RunningBatch
 from polestar_jax.errors import PolestarError
 
 

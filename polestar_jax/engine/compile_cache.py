@@ -72,13 +72,13 @@ def cache_hits() -> int:
 class CompileRecord:
     """One program's first use: ``lower_seconds`` tracing and lowering it (JAX; paid even on a persistent-cache
     hit), ``compile_seconds`` XLA compiling it or, with ``cache_hit``, loading it from the persistent cache or
-    (``stored``) from the executable store, which needs no tracing (:mod:`polestar_jax.executables`)."""
+    (``stored``) from the executable store, which needs no tracing (:mod:`polestar_jax.engine.executables`)."""
 
     what: str
     lower_seconds: float
     compile_seconds: float
     cache_hit: bool
-    stored: bool = False  # loaded from the executable store (polestar_jax.executables): nothing traced
+    stored: bool = False  # loaded from the executable store (polestar_jax.engine.executables): nothing traced
 
     @property
     def seconds(self) -> float:

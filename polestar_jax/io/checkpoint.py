@@ -51,7 +51,7 @@ import numpy as np
 
 from polestar_jax.config import ModelConfig
 from polestar_jax.errors import CheckpointError, ConfigError
-from polestar_jax.safetensors_io import LazyTensors, read_safetensors, write_safetensors
+from polestar_jax.io.safetensors_io import LazyTensors, read_safetensors, write_safetensors
 
 __all__ = [
     "Params", "HF_PREFIX", "CONFIG_FILE", "SAFETENSORS_FILE", "INDEX_FILE", "PARAMS_SUBDIR", "FORMAT_KEY",
@@ -360,7 +360,7 @@ def read_hf_folder(path: Union[str, os.PathLike]) -> LazyTensors:
     ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``).
 
     Every file's header is checked now; each tensor is read from its file when looked up
-    (:class:`~polestar_jax.safetensors_io.LazyTensors`). With an index, the index is authoritative: exactly
+    (:class:`~polestar_jax.io.safetensors_io.LazyTensors`). With an index, the index is authoritative: exactly
     the listed tensors are returned, each from its shard; a listed shard file that is missing, or a listed
     tensor absent from its shard, raises :class:`CheckpointError`.
     """
@@ -469,7 +469,7 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
 
     import safetensors
 
-    from polestar_jax.safetensors_io import library_errors
+    from polestar_jax.io.safetensors_io import library_errors
 
     entries = _hf_entries(cfg)
     names = _matched_names(tensors, cfg, entries)

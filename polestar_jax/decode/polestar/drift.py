@@ -20,7 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from polestar_jax.model import LayerParams
+from polestar_jax.models.llada import LayerParams
 from polestar_jax.config import ModelConfig
 
 _NEG = -1e30
@@ -29,7 +29,7 @@ _NEG = -1e30
 def proxy_queries(lp: LayerParams, centroids: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Centroids as proxy queries: attention-normed and projected by W_q, no RoPE.
     centroids [b, K, D] -> [b, H, K, hd]."""
-    from polestar_jax.family import family_of
+    from polestar_jax.models.family import family_of
 
     return family_of(cfg).project_q(lp, centroids, cfg)
 

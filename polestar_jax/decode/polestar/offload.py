@@ -1,7 +1,7 @@
 """Where and how Polestar's hidden-state store lives (:attr:`PolestarConfig.offload_hidden`).
 
 The store holds the layer-input hidden states of the refresh rows, ``[N, b, R, D]`` (``R`` = prefix + suffix
-window rows; see :class:`polestar_jax.polestar_state.PolestarState`). It is read and written only by a refresh
+window rows; see :class:`polestar_jax.decode.polestar.state.PolestarState`). It is read and written only by a refresh
 step and rewritten by each block-start pass, so it need not sit in device memory:
 
 * ``"none"``: the model dtype in device memory (exact).
@@ -15,7 +15,7 @@ pass moves each layer's encoded rows to the host as it produces them (``jax.devi
 jax.memory.Space.Host)`` inside the layer scan). A refresh step reads and writes only the rows it selects
 (:func:`fetch_rows`, :func:`write_rows`): the row gather / scatter runs on the host
 (``compute_on("device_host")``, through :func:`polestar_jax.compat.compute_on_host`) and only the compacted
-rows -- at most one layer's ``R`` rows, usually fewer (see :mod:`polestar_jax.compaction`) -- cross to the
+rows -- at most one layer's ``R`` rows, usually fewer (see :mod:`polestar_jax.decode.polestar.compaction`) -- cross to the
 device and back. XLA turns the placements into asynchronous host<->device copies that overlap the layer's
 compute (they are the ``annotate_device_placement`` custom calls of the lowered module). Where the backend has no
 ``pinned_host`` memory -- or on a GPU, where XLA did not compile the refresh step with the store in host

@@ -1,7 +1,7 @@
 """Memory planning without weights: sizes of parameters, caches and the compiled block step.
 
 Everything is computed from abstract arrays (``jax.ShapeDtypeStruct``): the parameter pytree from
-:func:`polestar_jax.checkpoint.param_shapes` (any model family), the decode state from the same constructors
+:func:`polestar_jax.io.checkpoint.param_shapes` (any model family), the decode state from the same constructors
 the engine uses, and XLA compiles the block decoder for those shapes and reports its memory analysis. No
 weight is read or allocated, so the 8B configuration plans on a laptop CPU.
 """
@@ -57,11 +57,11 @@ def _nbytes(tree) -> int:
 def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int = 128, dtype="bfloat16",
          compile_step: bool = True) -> MemoryPlan:
     """Plans one generation of ``batch`` prompts of ``prompt_len`` tokens."""
-    from polestar_jax.block import EngineSpec, Knobs, decode_block
-    from polestar_jax.state import init_decode_state
+    from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
+    from polestar_jax.decode.state import init_decode_state
 
     dt = jnp.dtype(dtype)
-    from polestar_jax.checkpoint import param_shapes
+    from polestar_jax.io.checkpoint import param_shapes
 
     # the parameter shapes of cfg's family (Dream adds the q/k/v biases)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dt), param_shapes(cfg),
@@ -71,7 +71,7 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
     hs = other = transient = 0
     hs_memory = "device"
     if state.polestar is not None:
-        from polestar_jax.offload import HOST_MEMORY_KIND, host_memory_available
+        from polestar_jax.decode.polestar.offload import HOST_MEMORY_KIND, host_memory_available
 
         store = (state.polestar.hs, state.polestar.hs_scale)
         hs = _nbytes(store) // batch

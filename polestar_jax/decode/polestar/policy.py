@@ -1,17 +1,17 @@
 """Polestar: drift-guided sparse cache refresh and early commit, as a policy of the block program
-(:mod:`polestar_jax.block`) on top of the dual-cache decoder (``docs/algorithm.md#polestar``).
+(:mod:`polestar_jax.decode.block`) on top of the dual-cache decoder (``docs/algorithm.md#polestar``).
 
-1. **Block start** (:func:`start`): the full or windowed forward of :mod:`polestar_jax.polestar_start`
+1. **Block start** (:func:`start`): the full or windowed forward of :mod:`polestar_jax.decode.polestar.start`
    (cache, stored and clustered refresh rows, ``s_prev``, ``p_prev``) and the threshold commit. A row
    whose block is already filled (by suffix commits) skips it: no forward, no statistics.
 2. **Decode steps** (:func:`step`) until the block has no mask: one forward of the block against the
-   cache (:mod:`polestar_jax.polestar_step`). When the previous step committed more than
+   cache (:mod:`polestar_jax.decode.polestar.step`). When the previous step committed more than
    ``trigger_commits`` tokens (or the commits since the last refresh exceed ``trigger_accum``) the step
    *refreshes* the top-drift clusters of the window. The token drift of the last layer drives early
    commits (Polestar-Commit); refreshed suffix rows of the last layer may commit ahead of their block.
 
-The state lives in :class:`polestar_jax.polestar_state.PolestarState`; the random and tied decisions
-(k-means draws, cluster selections) in :mod:`polestar_jax.draws`.
+The state lives in :class:`polestar_jax.decode.polestar.state.PolestarState`; the random and tied decisions
+(k-means draws, cluster selections) in :mod:`polestar_jax.decode.polestar.draws`.
 """
 from __future__ import annotations
 
@@ -22,16 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax.policy import BlockCtx, Policy, write_commits
-from polestar_jax.commit import Prediction, commit_threshold, noise_keys, predict
-from polestar_jax.draws import at_forward, block_start_draws
-from polestar_jax.drift import drift_delta, push_history
-from polestar_jax.family import family_of
-from polestar_jax.polestar_start import cluster_layers, start_pass
-from polestar_jax.polestar_state import geometry, rows_at
-from polestar_jax.polestar_step import StepForwardOut, step_layers, step_tail
-from polestar_jax.rows import batch_any
-from polestar_jax.state import DecodeState, select_rows
+from polestar_jax.decode.policy import BlockCtx, Policy, register_policy, write_commits
+from polestar_jax.decode.commit import Prediction, commit_threshold, noise_keys, predict
+from polestar_jax.decode.polestar.draws import at_forward, block_start_draws
+from polestar_jax.decode.polestar.drift import drift_delta, push_history
+from polestar_jax.models.family import family_of
+from polestar_jax.decode.polestar.start import cluster_layers, start_pass
+from polestar_jax.decode.polestar.state import geometry, rows_at
+from polestar_jax.decode.polestar.step import StepForwardOut, step_layers, step_tail
+from polestar_jax.decode.rows import batch_any
+from polestar_jax.decode.state import DecodeState, select_rows
 
 
 class StepOut(NamedTuple):
@@ -40,7 +40,7 @@ class StepOut(NamedTuple):
     active/cluster [b] bool; token_drift, delta [b, B]; cluster_scores [b, N, K] (-inf on invalid slots);
     selected [b, N, K] clusters refreshed; own_selected [b, N, K] what this implementation would have chosen
     (differs from ``selected`` only in replay); refreshed_rows [b, N] rows recomputed; moved_rows [b, N]
-    stored rows read in the refresh (the compact widths of :mod:`polestar_jax.compaction`: what moves from a
+    stored rows read in the refresh (the compact widths of :mod:`polestar_jax.decode.polestar.compaction`: what moves from a
     host store to the device; R on every refreshing layer for a store in device memory, read whole);
     commit_threshold, commit_early [b, B]; commit_suffix [b, Ws].
     """
@@ -220,12 +220,12 @@ def active_rows(ctx: BlockCtx, state: DecodeState, i) -> jax.Array:
 
 POLICY = Policy(start=start, active=active_rows, step=step, bound=lambda ctx: ctx.block + 1,
                 empty_stats=lambda ctx, n: empty_steps(ctx, n))
-POLICIES = {"polestar": POLICY}
+register_policy("polestar", POLICY)
 
 
 def block_start(params, state: DecodeState, block_idx, mcfg, dcfg) -> DecodeState:
     """Polestar's block start for ``dcfg`` outside the block program (tests, benches, step timing)."""
-    from polestar_jax.policy import EngineSpec, Knobs, context
+    from polestar_jax.decode.policy import EngineSpec, Knobs, context
 
     spec = EngineSpec.from_config(mcfg, dcfg)
     return start(context(params, state, block_idx, Knobs.from_config(dcfg), None, spec), state)

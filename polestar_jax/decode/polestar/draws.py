@@ -3,7 +3,7 @@
 By default the draws come from a counter-based integer hash of the row's key data and its forward count
 (identical on every backend, cheap to compile). For exact replay of the PyTorch code they, the k-means
 labels and the per-layer cluster selections come from a :class:`Replay` built from its trace
-(:mod:`polestar_jax.replay`): the reference is not stable under rounding there (docs/differences.md#d3, #d4; the default draws: #d5).
+(:mod:`polestar_jax.decode.polestar.replay`): the reference is not stable under rounding there (docs/differences.md#d3, #d4; the default draws: #d5).
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from polestar_jax.cluster import KMeansDraws
+from polestar_jax.decode.polestar.cluster import KMeansDraws
 from polestar_jax.config import ModelConfig, PolestarConfig
-from polestar_jax.polestar_state import Geometry
-from polestar_jax.state import DecodeState
+from polestar_jax.decode.polestar.state import Geometry
+from polestar_jax.decode.state import DecodeState
 
 
 class Replay(NamedTuple):

@@ -52,7 +52,7 @@ def _size_mismatch(path: str) -> Optional[str]:
 @contextlib.contextmanager
 def library_errors(path: str, writing: bool = False):
     """A context in which the library's errors about ``path`` become one-line :class:`CheckpointError` messages
-    (also used by :mod:`polestar_jax.checkpoint` for its own reads of shards)."""
+    (also used by :mod:`polestar_jax.io.checkpoint` for its own reads of shards)."""
     try:
         yield
     except (safetensors.SafetensorError, OSError) + ((TypeError,) if writing else ()) as e:

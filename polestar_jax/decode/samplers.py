@@ -1,4 +1,4 @@
-"""The LLaDA and Fast-dLLM decoding policies of the block program (:mod:`polestar_jax.block`).
+"""The LLaDA and Fast-dLLM decoding policies of the block program (:mod:`polestar_jax.decode.block`).
 
 * ``llada``: ``steps_per_block`` full forwards per block, a fixed number of commits each (LLaDA
   ``generate``: a ``for`` loop, so the forward count is exact even when the block fills early).
@@ -9,7 +9,7 @@
   ``step_after_full_pass`` (the reference) the step loop runs at least once after the start forward, even
   when that forward filled the block (it counts in NFE).
 
-The commit rules are those of :mod:`polestar_jax.commit`; the mask token is never committed. Policy
+The commit rules are those of :mod:`polestar_jax.decode.commit`; the mask token is never committed. Policy
 parameters for other reference loops (Dream's, ``docs/algorithm.md#dream``): ``start_commit="first"`` (the
 start forward commits only the block's first position), the fixed rule's ``schedule="timesteps"`` and
 ``rank_by="neg_entropy"``. The logit alignment is the model family's (``Family.head_at``).
@@ -19,10 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from polestar_jax import commit as commit_rules
-from polestar_jax.policy import BlockCtx, EngineSpec, Policy, write_commits
-from polestar_jax.family import family_of
-from polestar_jax.state import DecodeState
+from polestar_jax.decode import commit as commit_rules
+from polestar_jax.decode.policy import BlockCtx, EngineSpec, Policy, register_policy, write_commits
+from polestar_jax.models.family import family_of
+from polestar_jax.decode.state import DecodeState
 
 
 def full_forward(params, state: DecodeState, spec: EngineSpec, cs, keep_cache: bool):
@@ -124,4 +124,5 @@ def bound(ctx: BlockCtx) -> int:
 
 
 POLICY = Policy(start=start, active=active, step=step, bound=bound, empty_stats=lambda ctx, n: None)
-POLICIES = {"llada": POLICY, "fastdllm": POLICY}
+register_policy("llada", POLICY)
+register_policy("fastdllm", POLICY)

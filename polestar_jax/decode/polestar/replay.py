@@ -1,4 +1,4 @@
-"""Builds a :class:`polestar_jax.draws.Replay` from a PyTorch Polestar trace and decisions file.
+"""Builds a :class:`polestar_jax.decode.polestar.draws.Replay` from a PyTorch Polestar trace and decisions file.
 
 Trace (``traces/<run>.trace.json -> traces[case]``): ``kmeans[]`` (one record per k-means call, in call
 order: per block pass, layer 0 prefix, layer 0 suffix, layer 1 prefix, ...) and ``rng[]`` (every random draw
@@ -21,7 +21,7 @@ def build_replay(trace: dict, decisions: list, cfg: ModelConfig, pc: PolestarCon
     """Replay arrays for one case (batch 1). ``max_forwards``: an upper bound of the case's NFE."""
     import jax.numpy as jnp
 
-    from polestar_jax.draws import Replay
+    from polestar_jax.decode.polestar.draws import Replay
 
     n, k, it = cfg.n_layers, pc.n_clusters, pc.kmeans_iters
     wp, ws = pc.prefix_rows(block), pc.suffix_rows(block)

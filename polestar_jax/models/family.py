@@ -1,11 +1,11 @@
 """The model interface the block program calls: what a model family provides to every decoder.
 
-A family is a set of pure functions over its parameter pytree (see :mod:`polestar_jax.model` for LLaDA):
+A family is a set of pure functions over its parameter pytree (see :mod:`polestar_jax.models.llada` for LLaDA):
 
 * ``embed(params, ids)`` -> h [b, T, D];
 * ``forward(params, ids, cfg, q_pos, key_pos, key_valid, cache=, start=, write=, unroll=)``: all layers;
-* ``layer(lp, h, cfg, q_rope, k_rope, key_valid, write=, keys=, return_probs=)`` -> ``model.LayerOut``:
-  the one transformer layer every pass runs (:func:`polestar_jax.model.layer`);
+* ``layer(lp, h, cfg, q_rope, k_rope, key_valid, write=, keys=, return_probs=)`` -> ``llada.LayerOut``:
+  the one transformer layer every pass runs (:func:`polestar_jax.models.llada.layer`);
 * ``project_q`` / ``project_kv``: the layer's query and key/value halves (Polestar's refresh stages and
   proxy queries use them);
 * ``lm_head(params, h, cfg)`` -> float32 logits;
@@ -14,8 +14,8 @@ A family is a set of pure functions over its parameter pytree (see :mod:`polesta
   or 1 (row p-1 predicts p; the span's first row predicts its own position too). :meth:`Family.head_at`
   applies it, so no decoder needs to know which family it runs.
 
-Two families are implemented, LLaDA and Dream (:data:`FAMILIES`); another is a new model module and one
-:data:`FAMILIES` entry, and its config names it in ``ModelConfig.family``.
+Two families are implemented, LLaDA and Dream (:data:`FAMILIES`); another is a new model module that
+calls :func:`register_family` once, and its config names it in ``ModelConfig.family``.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from polestar_jax import model
-from polestar_jax import model_dream
+from polestar_jax.models import llada
+from polestar_jax.models import dream
 from polestar_jax.config import ModelConfig
-from polestar_jax.errors import ConfigError
+from polestar_jax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Family:
     name: str
     embed: Callable[..., jax.Array]
     layer: Callable[..., Any]
-    forward: Callable[..., Any]  # all layers (model.forward's signature)
+    forward: Callable[..., Any]  # all layers (llada.forward's signature)
     project_q: Callable[..., jax.Array]
     project_kv: Callable[..., tuple]
     lm_head: Callable[..., jax.Array]
@@ -73,22 +73,31 @@ class Family:
         return self.head_at(params, out.h, cfg, 0, length)
 
 
-LLADA = Family(name="llada", embed=model.embed, layer=model.layer, forward=model.forward,
-               project_q=model.project_q, project_kv=model.project_kv, lm_head=model.lm_head, logit_shift=0)
+#: ``ModelConfig.family`` -> its :class:`Family` (:func:`register_family` adds one).
+FAMILIES: Registry[Family] = Registry("model family")
 
-#: Dream (Qwen2 layout, q/k/v biases; :mod:`polestar_jax.model_dream`): trained autoregressively, so row
+
+def register_family(family: Family) -> Family:
+    """Makes ``family`` known under ``family.name`` (a :class:`ValueError` if the name is taken); returns it."""
+    return FAMILIES.register(family.name, family)
+
+
+LLADA = Family(name="llada", embed=llada.embed, layer=llada.layer, forward=llada.forward,
+               project_q=llada.project_q, project_kv=llada.project_kv, lm_head=llada.lm_head, logit_shift=0)
+
+#: Dream (Qwen2 layout, q/k/v biases; :mod:`polestar_jax.models.dream`): trained autoregressively, so row
 #: ``p-1`` of a forward's input span predicts position ``p`` (the span's first row also predicts itself).
 #: Its official Polestar path clusters a fixed 64 rows back / 32 ahead in full passes, scores clusters with a
 #: head-averaged proxy attention, patches K/V with the clustered rows only, and its ``torch.topk`` ranks the
 #: two block positions that share a logits row later-first (``docs/algorithm.md#dream``).
-DREAM = Family(name="dream", embed=model_dream.embed, layer=model_dream.layer, forward=model_dream.forward,
-               project_q=model_dream.project_q, project_kv=model_dream.project_kv, lm_head=model_dream.lm_head,
+DREAM = Family(name="dream", embed=dream.embed, layer=dream.layer, forward=dream.forward,
+               project_q=dream.project_q, project_kv=dream.project_kv, lm_head=dream.lm_head,
                logit_shift=1,
                polestar_defaults=(("full_prefix_rows", 64), ("full_suffix_rows", 32), ("proxy_score", "mean"),
                                   ("patch_kv", "clustered"), ("tie_break", "shared_row")))
 
-#: ``ModelConfig.family`` -> its :class:`Family`.
-FAMILIES = {"llada": LLADA, "dream": DREAM}
+register_family(LLADA)
+register_family(DREAM)
 
 
 def polestar_config_for(family: Optional[str], decoder: str = "polestar", **given: Any):
@@ -101,14 +110,9 @@ def polestar_config_for(family: Optional[str], decoder: str = "polestar", **give
 
     if family is None or decoder != "polestar":
         return PolestarConfig(**given)
-    if family not in FAMILIES:
-        raise ConfigError(f"unknown model family {family!r} (known: {', '.join(FAMILIES)})")
     return FAMILIES[family].polestar_config(**given)
 
 
 def family_of(cfg: ModelConfig) -> Family:
     """The :class:`Family` of ``cfg``; a one-line :class:`ConfigError` for an unknown one."""
-    name = getattr(cfg, "family", "llada")
-    if name not in FAMILIES:
-        raise ConfigError(f"unknown model family {name!r} (known: {', '.join(FAMILIES)})")
-    return FAMILIES[name]
+    return FAMILIES[getattr(cfg, "family", "llada")]

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP application of :mod:`polestar_jax.serve`: request models (pydantic), their
-checks, the request handling over a :class:`polestar_jax.scheduler.Scheduler`, the response objects
+checks, the request handling over a :class:`polestar_jax.serving.scheduler.Scheduler`, the response objects
 (OpenAI's completion, chat completion and their stream chunks) and the FastAPI app (see ``docs/serving.md``).
 Needs the ``serve`` extra (FastAPI, pydantic, prometheus-client)."""
 # (no "from __future__ import annotations": FastAPI reads the request models from real annotations)
@@ -95,7 +95,7 @@ def unknown_model(name: str, served_name: str) -> str:
 
 def check_fields(req: Common, served_name: str, limits: "ServerLimits", dcfg: DecodeConfig,
                  default_temperature: float) -> dict:
-    """The request's job settings (:class:`polestar_jax.scheduler.Job` fields); :class:`BadRequest` for what
+    """The request's job settings (:class:`polestar_jax.serving.scheduler.Job` fields); :class:`BadRequest` for what
     the server cannot honour."""
     if req.model != served_name:
         raise BadRequest(unknown_model(req.model, served_name), "model", 404)
@@ -173,7 +173,7 @@ class Api:
     """The request handling of one server: a model, its started scheduler, the limits and the metrics."""
 
     def __init__(self, model, scheduler, limits: "ServerLimits", served_name: str, default_temperature: float):
-        from polestar_jax.serve_metrics import Metrics
+        from polestar_jax.serving.metrics import Metrics
 
         self.model, self.scheduler, self.limits, self.served = model, scheduler, limits, served_name
         self.default_temperature = default_temperature
@@ -189,7 +189,7 @@ class Api:
 
     async def run(self, request, req, chat: bool):
         """One request: submitted to the scheduler, answered as one JSON document or as a stream."""
-        from polestar_jax.scheduler import Job, NotAccepting, QueueFull
+        from polestar_jax.serving.scheduler import Job, NotAccepting, QueueFull
 
         settings = check_fields(req, self.served, self.limits, self.scheduler.dcfg, self.default_temperature)
         ids = prompt_ids(self.model, req)
@@ -338,7 +338,7 @@ class Gate:
 
 def create_app(model, scheduler, limits: "ServerLimits", served_name: str, default_temperature: float = 0.0,
                api_key: Optional[str] = None):
-    """The FastAPI application over a started :class:`polestar_jax.scheduler.Scheduler` (see the module
+    """The FastAPI application over a started :class:`polestar_jax.serving.scheduler.Scheduler` (see the module
     docstring). ``model``: the :class:`polestar_jax.api.Model` (tokenizer, chat template); ``api_key``: the
     bearer token the ``/v1/`` endpoints require (None: open)."""
     from fastapi import FastAPI, Request

@@ -39,7 +39,7 @@ class DecodeState:
     stop         [b]    bool    the row ended early: a finished block held one of the stop tokens (early exit).
     k_cache, v_cache  [N, b, KV, L, hd] or None: un-rotated K/V of the last full pass / step.
     polestar     Polestar's clusters, hidden states and drift state
-                 (:class:`polestar_jax.polestar_state.PolestarState`, decoder "polestar"), else None.
+                 (:class:`polestar_jax.decode.polestar.state.PolestarState`, decoder "polestar"), else None.
     """
 
     x: jax.Array = axes()
@@ -133,7 +133,7 @@ def build_state(fields: PromptFields, layout: StateLayout) -> DecodeState:
     b, length = fields.x.shape
     k_cache = v_cache = None
     if layout.cache:
-        from polestar_jax.family import family_of
+        from polestar_jax.models.family import family_of
 
         shape = family_of(layout.model).cache_shape(layout.model, b, length)
         k_cache = jnp.zeros(shape, layout.dtype)
@@ -145,7 +145,7 @@ def build_state(fields: PromptFields, layout: StateLayout) -> DecodeState:
         n_blocks=jnp.asarray(fields.n_blocks), stop=jnp.zeros((b,), bool), k_cache=k_cache, v_cache=v_cache,
     )
     if layout.polestar is not None:
-        from polestar_jax.polestar_state import init_polestar_state
+        from polestar_jax.decode.polestar.state import init_polestar_state
 
         state = state.replace(polestar=init_polestar_state(layout.model, layout.polestar, b, length,
                                                            layout.block_length, layout.num_blocks, layout.dtype))
@@ -173,7 +173,7 @@ def build_sharded(fields: PromptFields, layout: StateLayout, mesh, builders: Opt
     (:func:`polestar_jax.sharding.state_shardings`): every device creates only its own shards, so a large
     K/V cache or Polestar store never exists whole on one device. The small prompt fields are placed on
     their shards first (:func:`polestar_jax.sharding.shard`, multi-process safe). ``builders``: a dict the
-    caller owns (an :class:`polestar_jax.engine.Engine`'s) that keeps one builder per (layout, mesh, shapes);
+    caller owns (an :class:`polestar_jax.engine.engine.Engine`'s) that keeps one builder per (layout, mesh, shapes);
     None builds one for this call."""
     from polestar_jax.sharding import shard, state_shardings
 
@@ -219,14 +219,14 @@ def init_decode_state(
     if abstract:
         state = jax.eval_shape(functools.partial(build_state, layout=layout), fields)
         if offload:
-            from polestar_jax.offload import abstract_store
+            from polestar_jax.decode.polestar.offload import abstract_store
 
             state = state.replace(polestar=state.polestar.replace(
                 **dict(zip(("hs", "hs_scale"), abstract_store(state.polestar.hs, state.polestar.hs_scale)))))
         return state
     state = build_state(fields, layout) if mesh is None else build_sharded(fields, layout, mesh, builders)
     if offload:
-        from polestar_jax.offload import place_store
+        from polestar_jax.decode.polestar.offload import place_store
 
         hs, hs_scale = place_store(state.polestar.hs, state.polestar.hs_scale, dcfg.polestar)
         state = state.replace(polestar=state.polestar.replace(hs=hs, hs_scale=hs_scale))

@@ -1,6 +1,6 @@
 """Batch-wide decisions inside the per-row block program.
 
-The block program (:func:`polestar_jax.block.decode_block`) decodes every batch row on its own (a
+The block program (:func:`polestar_jax.decode.block.decode_block`) decodes every batch row on its own (a
 ``jax.vmap`` over rows named :data:`ROWS`), so each row can sit at its own block. A few decisions must stay
 batch-wide so that XLA keeps a real branch instead of computing every branch for every row: whether any row
 needs a full pass, a windowed pass or a refresh, and the widest refresh bucket any row needs. These helpers

@@ -14,7 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from polestar_jax.offload import store_dtype
+from polestar_jax.decode.polestar.offload import store_dtype
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.axes import LAYER_BATCH, axes
 
@@ -24,7 +24,7 @@ class PolestarState:
     """Polestar's part of the decode state (``N`` layers, ``b`` rows, ``R`` refresh rows, ``K`` cluster slots).
 
     hs          [N, b, R, D]     layer-input hidden states of the refresh rows (prefix rows, then suffix rows),
-                                 encoded as ``PolestarConfig.offload_hidden`` says (see :mod:`polestar_jax.offload`:
+                                 encoded as ``PolestarConfig.offload_hidden`` says (see :mod:`polestar_jax.decode.polestar.offload`:
                                  model dtype, bf16 or int8; host memory when offloaded)
     hs_scale    [N, b, R] f32    per-row int8 scales (zeros unless int8)
     labels      [N, b, R] int32  cluster of each refresh row (-1: outside the windows)
