@@ -108,8 +108,13 @@ def _dot_nt(a, b, triton: bool):
     """a [m, d] . b [n, d]^T -> [m, n] float32 (full f32 precision: no TF32 / bf16 passes for f32 inputs)."""
     if triton:
         return plgpu.dot(a, b, trans_b=True, precision=lax.Precision.HIGHEST)
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+    # Mosaic takes a precision only for float32 operands ("Bad lhs type" for bf16 with HIGHEST; bf16 products
+    # are exact in the float32 accumulator anyway), and a bf16 lhs only in whole (16, 128) tiles: a row block
+    # that is not a multiple of 16 is widened to float32 (exactly) and multiplied at full precision
+    if a.dtype != jnp.float32 and a.shape[0] % 16:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT  # (None: the config default)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
 def _kl_drift_kernel(q_ref, k_ref, valid_ref, pprev_ref, kl_ref, pnew_ref, *, mode: str, flavor: str,

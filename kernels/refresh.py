@@ -16,9 +16,13 @@ Each function has a ``*_reference`` in plain jnp with the same signature, a ``ba
 * ``"triton"`` (GPU): one program per (batch row, packet row, feature chunk); the row index is loaded in
   the kernel and the load / store is masked (row validity, feature padding to a power of two).
 * ``"mosaic"`` (TPU): one program per batch row; the row indices (and the scatter's validity) are
-  scalar-prefetched into SMEM and the source / destination stays in HBM in its natural layout: the gather
-  starts one row DMA per packet entry into a VMEM buffer, awaits them all, then dequantises / masks the
-  block; the scatter DMAs each valid row straight into the (aliased) destination.
+  scalar-prefetched into SMEM. For 32-bit rows the source / destination stays in HBM in its natural
+  layout: the gather starts one row DMA per packet entry into a VMEM buffer, awaits them all, then
+  dequantises / masks the block; the scatter DMAs each valid row straight into the (aliased)
+  destination. Packed rows (bf16, int8) are fractions of a TPU tile, which Mosaic cannot DMA alone: the
+  gather reads the source block (all R rows, feature-blocked) into VMEM, widens it to float32 and copies
+  the selected rows there (what the engine gathers is the whole store of R rows anyway); the packed
+  scatter has no kernel on TPUs (:func:`mosaic_rows_exclude`: XLA's scatter instead).
 * ``centroid_shift`` (both): one program per (batch row, feature chunk): one-hot [K, R] from the labels,
   two [K, R] x [R, d] products, the update. The triton flavour pads K, R and D to its blocks in the
   wrapper (labels -1, the rest 0) and slices the result.
@@ -79,6 +83,18 @@ def _compute_dtype(hs, scales, dtype):
     if jnp.issubdtype(hs.dtype, jnp.integer):
         return jnp.dtype(scales.dtype) if scales is not None else jnp.dtype(jnp.float32)
     return jnp.dtype(hs.dtype)
+
+
+def mosaic_rows_exclude(dtype) -> frozenset:
+    """``{"tpu"}`` for a packed ``dst`` dtype (under 32 bits: bf16, f16, int8), else nothing: the
+    platforms whose row scatter has no sensible form for it. A TPU lays an array's last two axes out in
+    (8, 128) tiles of 32-bit words, so a bf16 / int8 row is half / a quarter of a sublane, and Mosaic DMAs
+    only tile-aligned row windows of packed arrays ("Offsets along tiled dimensions must be aligned to
+    tiles"). Writing single rows then means a read-modify-write of their tiles: one aligned-window DMA
+    round trip per row (serialised, since rows may share a tile), or the whole destination through VMEM,
+    L / C times the bytes for the K/V cache (L keys, C rows written). XLA's own scatter (the reference)
+    writes those rows in place, so packed scatters use it on TPUs."""
+    return frozenset({"tpu"}) if jnp.dtype(dtype).itemsize < 4 else frozenset()
 
 
 # ------------------------------------------------------------------------------------------- gather
@@ -178,13 +194,17 @@ def _gather_pallas(hs, idx, valid, scales, *, dtype, flavor, interpret):
             interpret=_interp(flavor, interpret), name="gather_rows")(*args)
     if flavor != "mosaic":
         raise ValueError(f"unknown flavor {flavor!r}")
+    vf = vi.astype(jnp.float32)[..., None]  # [b, C, 1]
+    sel = jnp.take_along_axis(scales.astype(jnp.float32), idx, axis=1)[..., None] if dequant else None  # [b, C, 1]
+    if jnp.dtype(hs.dtype).itemsize < 4:
+        return _gather_mosaic_block(hs, idx, vf, sel, out_dt, interpret)
     # hs stays [b, R, D] in HBM (no relayout); the selected scales / validity are tiny [b, C, 1] blocks
     in_specs = [pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec((None, c, 1), lambda i, idx_ref: (i, 0, 0))]
-    args = [hs, vi.astype(jnp.float32)[..., None]]
+    args = [hs, vf]
     if dequant:
         in_specs.append(pl.BlockSpec((None, c, 1), lambda i, idx_ref: (i, 0, 0)))
-        args.append(jnp.take_along_axis(scales.astype(jnp.float32), idx, axis=1)[..., None])
+        args.append(sel)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(b,), in_specs=in_specs,
         out_specs=pl.BlockSpec((None, c, d), lambda i, idx_ref: (i, 0, 0)),
@@ -194,6 +214,67 @@ def _gather_pallas(hs, idx, valid, scales, *, dtype, flavor, interpret):
         out_shape=jax.ShapeDtypeStruct((b, c, d), out_dt), grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=_interp(flavor, interpret), name="gather_rows",
+    )(idx.reshape(-1), *args)
+
+
+def _gather_kernel_mosaic_block(idx_ref, hs_ref, valid_ref, *rest, n_cols, dequant):
+    """One (batch row, feature block) of a packed ``hs`` (bf16, int8). Scalar prefetch idx [b * C] (SMEM);
+    hs [R, bd], valid [C, 1], (selected scales [C, 1]), out [C, bd] (VMEM blocks); scratch src [R, bd] and
+    dst [C, bd] float32. A packed row is a fraction of a (8, 128) tile, so rows are not copied in the
+    packed layout: the block is widened to float32 (exact for bf16 and int8), each selected row copied
+    at its dynamic offset, then the block dequantised / masked / narrowed."""
+    if dequant:
+        scale_ref, out_ref, src, dst = rest
+    else:
+        out_ref, src, dst = rest
+    i = pl.program_id(0)
+    src[...] = hs_ref[...].astype(jnp.float32)
+
+    def copy(j, carry):
+        dst[pl.ds(j, 1), :] = src[pl.ds(idx_ref[i * n_cols + j], 1), :]
+        return carry
+
+    lax.fori_loop(0, n_cols, copy, 0)
+    rows = dst[...]
+    if dequant:
+        rows = rows * scale_ref[...]
+    out_ref[...] = jnp.where(valid_ref[...] > 0, rows.astype(out_ref.dtype), jnp.zeros((), out_ref.dtype))
+
+
+_BLOCK_VMEM_BUDGET = 12 * 2**20  # of the 16 MiB default scoped VMEM
+
+
+def _gather_block_d(r: int, c: int, d: int, in_size: int, out_size: int) -> int:
+    """Feature block of the packed gather: all of D when D is not a multiple of 128 (a block's last axis
+    must be 128-aligned or whole), else the widest multiple of 128 dividing D whose buffers (double-buffered
+    in / out blocks, the two float32 scratches) fit :data:`_BLOCK_VMEM_BUDGET`."""
+    if d % 128:
+        return d
+    per_lane = 2 * r * in_size + 2 * c * out_size + 4 * (r + c)
+    return next((bd for bd in range(d, 127, -128) if d % bd == 0 and bd * per_lane <= _BLOCK_VMEM_BUDGET), 128)
+
+
+def _gather_mosaic_block(hs, idx, vf, sel, out_dt, interpret):
+    """The packed-``hs`` Mosaic gather (:func:`_gather_kernel_mosaic_block`): grid (b, D / bd); ``idx``
+    [b, C] clipped, ``vf`` validity [b, C, 1] float32, ``sel`` selected scales [b, C, 1] or None."""
+    b, r, d = hs.shape
+    c = idx.shape[1]
+    bd = _gather_block_d(r, c, d, jnp.dtype(hs.dtype).itemsize, jnp.dtype(out_dt).itemsize)
+    in_specs = [pl.BlockSpec((None, r, bd), lambda i, j, idx_ref: (i, 0, j)),
+                pl.BlockSpec((None, c, 1), lambda i, j, idx_ref: (i, 0, 0))]
+    args = [hs, vf]
+    if sel is not None:
+        in_specs.append(pl.BlockSpec((None, c, 1), lambda i, j, idx_ref: (i, 0, 0)))
+        args.append(sel)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(b, d // bd), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, c, bd), lambda i, j, idx_ref: (i, 0, j)),
+        scratch_shapes=[pltpu.VMEM((r, bd), jnp.float32), pltpu.VMEM((c, bd), jnp.float32)])
+    return pl.pallas_call(
+        functools.partial(_gather_kernel_mosaic_block, n_cols=c, dequant=sel is not None),
+        out_shape=jax.ShapeDtypeStruct((b, c, d), out_dt), grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=_interp("mosaic", interpret), name="gather_rows",
     )(idx.reshape(-1), *args)
 
 
@@ -324,7 +405,7 @@ def scatter_rows(dst: jax.Array, rows: jax.Array, idx: jax.Array, valid: jax.Arr
         backend = "interpret"
     pallas = lambda fl, it: functools.partial(_scatter_pallas, flavor=fl, interpret=it)
     return dispatch("scatter_rows", backend, (dst, rows, idx, valid), reference=scatter_rows_reference,
-                    pallas=pallas, interpret_flavor=flavor)
+                    pallas=pallas, interpret_flavor=flavor, exclude=mosaic_rows_exclude(dst.dtype))
 
 
 def scatter_kv_rows(cache: jax.Array, rows: jax.Array, idx: jax.Array, valid: jax.Array, *,
@@ -407,8 +488,10 @@ def _shift_kernel_mosaic(lab_ref, cnt_ref, c_ref, ho_ref, hn_ref, out_ref):
     k, r = c_ref.shape[0], ho_ref.shape[0]
     cl = lax.broadcasted_iota(jnp.int32, (k, r), 0)
     onehot = (lab_ref[...] == cl).astype(c_ref.dtype)  # [K, R]
-    sn = jnp.dot(onehot, hn_ref[...], preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    so = jnp.dot(onehot, ho_ref[...], preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    # (Mosaic takes a precision only for float32 operands; a one-hot times bf16 rows is exact in float32)
+    prec = lax.Precision.HIGHEST if c_ref.dtype == jnp.float32 else lax.Precision.DEFAULT  # (None: the config default)
+    sn = jnp.dot(onehot, hn_ref[...], preferred_element_type=jnp.float32, precision=prec)
+    so = jnp.dot(onehot, ho_ref[...], preferred_element_type=jnp.float32, precision=prec)
     out_ref[...] = _shift_math(c_ref[...], sn, so, cnt_ref[...])
 
 

@@ -14,7 +14,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import jax
+# The suite runs on the CPU (simulated devices where a test needs several), and so do the commands it starts:
+# with libtpu (the test extra's, for tests/test_tpu_compile.py) or a CUDA plugin installed and no such device,
+# JAX would probe for it at every start and print errors. Set before JAX is imported; subprocesses inherit it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
 import pytest
 
 # Golden comparisons are made in float32 with exact matmuls (set before anything compiles).
