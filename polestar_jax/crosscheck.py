@@ -5,7 +5,9 @@
 * **LLaDA / Fast-dLLM format**: ``config.json`` + ``model.safetensors`` + ``cases.json`` with
   ``logits_cases`` (logits, optionally per-layer hidden states, compared within ``1e-4 + 1e-4*|ref|``)
   and ``generate_cases`` (output ids, NFE and commits per forward must match exactly; a failure names
-  the first forward whose commits differ).
+  the first forward whose commits differ). A LLaDA-MoE folder (``architectures`` ["LLaDAMoEModelLM"]) runs
+  its family's forward; its mask id comes from ``cases.json -> model`` when config.json has none (as the real
+  one), and a case's ``router_file`` must give every token's expert set in every layer.
 * **Polestar format**: ``config.json`` + ``model.safetensors`` + run files
   ``*_<method>_g<gen>_b<block>_s<steps>.json`` (``cases``: prompt, output ids, NFE, ``block_stats``).
   Methods ``plain_steps``, ``plain_thr<t>`` and ``dual_cache_nocluster`` replay without injection;
@@ -143,9 +145,6 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
                         mesh=None) -> list[CaseResult]:
     """Replays every logits case and generate case of a ``cases.json`` folder; generate cases with the
     same settings run ``batch`` at a time."""
-    import jax.numpy as jnp
-
-    from polestar_jax.models import llada
     from polestar_jax.engine.engine import Engine, prompt_slot
     engine = Engine(params, cfg, mesh=mesh)  # run with _reference(dcfg): every block decoded, no early exit
 
@@ -157,23 +156,7 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
         progress(r)
 
     for case in data.get("logits_cases", []):
-        name = f"logits/{case['name']}"
-        try:
-            ref = np.load(os.path.join(folder, case["file"]))
-            ids = jnp.asarray(np.asarray(case["input_ids"], np.int32))
-            out = np.asarray(llada.logits_full(params, ids, cfg))
-            used = _budget_used(out, ref)
-            detail = f"max error {used:.0%} of tolerance"
-            ok = used <= 1.0
-            if case.get("hidden_states_file"):
-                href = np.load(os.path.join(folder, case["hidden_states_file"]))
-                hs = np.asarray(llada.hidden_states(params, ids, cfg))
-                hused = _budget_used(hs, href)
-                detail += f"; hidden states {hused:.0%}"
-                ok = ok and hused <= 1.0
-            add(CaseResult(name, "pass" if ok else "fail", detail))
-        except (OSError, KeyError, ValueError) as e:
-            add(CaseResult(name, "fail", f"cannot replay: {e}"))
+        add(_check_logits_case(folder, case, params, cfg))
 
     gen_cases = data.get("generate_cases", [])
     slot = None
@@ -204,6 +187,51 @@ def replay_llada_folder(folder: str, params, cfg, pad_multiple: int = 16,
                                       case["generated_ids"], case["nfe"], case.get("trajectory"),
                                       case.get("margins", {}).get("commits_per_forward")))
     return results
+
+
+def _check_logits_case(folder: str, case: dict, params, cfg) -> CaseResult:
+    """One ``logits_cases`` entry: the logits (and hidden states, and a LLaDA-MoE router file: every token's
+    expert set) of the model's family within the tolerance."""
+    import jax.numpy as jnp
+
+    name = f"logits/{case['name']}"
+    try:
+        ref = np.load(os.path.join(folder, case["file"]))
+        ids = jnp.asarray(np.asarray(case["input_ids"], np.int32))
+        out, hs = family_logits(params, ids, cfg, collect_hidden=bool(case.get("hidden_states_file")))
+        used = _budget_used(np.asarray(out), ref)
+        detail = f"max error {used:.0%} of tolerance"
+        ok = used <= 1.0
+        if case.get("hidden_states_file"):
+            hused = _budget_used(np.asarray(hs), np.load(os.path.join(folder, case["hidden_states_file"])))
+            detail += f"; hidden states {hused:.0%}"
+            ok = ok and hused <= 1.0
+        if case.get("router_file") and cfg.family == "llada_moe":
+            from polestar_jax.models.llada_moe import routing
+
+            want = np.sort(np.load(os.path.join(folder, case["router_file"]))["selected_experts"], axis=-1)
+            got = np.sort(np.asarray(routing(params, ids, cfg)[1]), axis=-1)
+            same = int(np.all(got == want, axis=-1).sum())
+            detail += f"; router choices {same}/{want.shape[0] * want.shape[1]} equal"
+            ok = ok and got.shape == want.shape and same == want.shape[0] * want.shape[1]
+        return CaseResult(name, "pass" if ok else "fail", detail)
+    except (OSError, KeyError, ValueError) as e:
+        return CaseResult(name, "fail", f"cannot replay: {e}")
+
+
+def golden_model_config(folder: str):
+    """The :class:`ModelConfig` of a golden folder whose ``config.json`` lacks the mask id (LLaDA-MoE's,
+    like the real checkpoint's) while ``cases.json -> model`` names it; None when config.json suffices."""
+    from polestar_jax.config import ModelConfig
+
+    d = _read_json(os.path.join(folder, "config.json"))
+    if not isinstance(d, dict) or "mask_token_id" in d or not os.path.isfile(os.path.join(folder, "cases.json")):
+        return None
+    model = _read_json(os.path.join(folder, "cases.json")).get("model") or {}
+    if "mask_token_id" not in model:
+        return None
+    return ModelConfig.from_dict({**d, "mask_token_id": model["mask_token_id"]},
+                                 source=os.path.join(folder, "config.json"))
 
 
 # ------------------------------------------------------------------------------------- Polestar format
@@ -572,7 +600,8 @@ def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: 
     kind = detect_format(folder)
     # a Polestar folder only generates: with a mesh, each process loads just its shards; the other formats'
     # logits cases run unsharded forwards on each process's first device, so they load the whole model
-    cfg, params = load_model(folder, dtype="float32", shardings=mesh if kind == "polestar" else None)
+    cfg, params = load_model(folder, dtype="float32", shardings=mesh if kind == "polestar" else None,
+                             config=golden_model_config(folder) if kind == "llada" else None)
     if kind == "llada":
         return replay_llada_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
     if kind == "dream":

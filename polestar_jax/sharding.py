@@ -7,6 +7,12 @@ proxy attention additionally over heads on ``model``). A dimension that the axis
 replicated instead, so any mesh works for any model (at some cost). XLA's SPMD partitioner inserts the
 collectives; the decode code itself is unchanged.
 
+LLaDA-MoE's experts (``blocks/e_gate``, ``e_up``, ``e_down`` [N, E, ...]) are expert-parallel: the expert axis
+splits over ``model`` (device ``j`` holds experts ``j*E/M .. (j+1)*E/M - 1``, each whole), or is replicated
+when ``model`` does not divide E; the router and the q/k-norm weights are replicated, attention splits as
+above. Each device holds ``E/M`` of the expert weights, the bulk of the model; XLA partitions the grouped
+``ragged_dot`` (gathering what it needs), so the answers equal one device's.
+
 Attention heads are never cut (GQA-aware, given the model config): the query side (``wq``, Dream's ``bq``,
 ``wo``'s input features) is split over ``model`` only when the axis divides the query heads, the key/value
 side (``wk``, ``wv``, Dream's ``bk``, ``bv``) and the K/V cache only when it divides the KV heads; otherwise
@@ -49,6 +55,9 @@ _PARAM_SPECS = {
     "w_gate": (None, None, "model"), "w_up": (None, None, "model"),
     "w_down": (None, "model", None),
     "bq": (None, "model"), "bk": (None, "model"), "bv": (None, "model"),  # Dream's q/k/v biases
+    # LLaDA-MoE: expert-parallel experts [N, E, ...] (whole experts per device), replicated router and q/k-norm
+    "e_gate": (None, "model", None, None), "e_up": (None, "model", None, None), "e_down": (None, "model", None, None),
+    "router": (None, None, None), "q_norm": (None, None), "k_norm": (None, None),
 }
 #: Parameters whose ``model``-split dimension is a stack of attention heads, and the config field that
 #: counts them: they split over ``model`` only in whole heads (see the module docstring).

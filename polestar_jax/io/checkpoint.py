@@ -30,6 +30,11 @@ attn_norm, ``self_attn.{q,k,v}_proj.{weight,bias}`` -> wq/bq, wk/bk, wv/bv, ``se
 ``post_attention_layernorm`` -> ff_norm, ``mlp.{gate,up,down}_proj`` -> w_gate, w_up, w_down,
 ``model.norm.weight`` -> ln_f, ``lm_head.weight`` -> lm_head (untied).
 
+LLaDA-MoE (``architectures`` ["LLaDAMoEModelLM"]) has Qwen2's attention names without biases, no dense MLP,
+``self_attn.{q,k}_norm.weight`` -> ``blocks/q_norm``, ``k_norm`` [N, hd], the router ``mlp.gate.weight`` [E, D] ->
+``blocks/router`` [N, D, E], and ``mlp.experts.{e}.{gate,up,down}_proj.weight`` stacked per layer and expert into
+``blocks/e_gate``, ``e_up`` [N, E, D, F] and ``e_down`` [N, E, F, D] (``_MOE_BLOCK_TENSORS``).
+
 Two on-disk formats are read by :func:`load_model`:
 
 * an HF folder: ``config.json`` + ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``);
@@ -111,11 +116,52 @@ _QWEN2_TOP_TENSORS: tuple[tuple[str, str, bool], ...] = (
     ("ln_f", "model.norm.weight", False),
     ("lm_head", "lm_head.weight", True),
 )
-#: ModelConfig.family -> (per-layer name format, block tensors, top-level tensors), full HF names.
+# LLaDA-V (HF LLaVA names): the LM in the Llama layout (Qwen2's names, no biases); the SigLIP tower from the main
+# checkpoint under params["vision"] (its ``blocks`` stacked over the tower's layers; the patch convolution kept
+# [C, 3, p, p]; post_layernorm kept though the features skip it), the mlp2x_gelu projector under
+# params["projector"] and ``image_newline`` [D].
+_SIGLIP_PREFIX = "model.vision_tower.vision_tower.vision_model."
+_LLAVA_TOP_TENSORS: tuple[tuple[str, str, bool], ...] = _QWEN2_TOP_TENSORS + (
+    ("image_newline", "model.image_newline", False),
+    ("projector/w1", "model.mm_projector.0.weight", True), ("projector/b1", "model.mm_projector.0.bias", False),
+    ("projector/w2", "model.mm_projector.2.weight", True), ("projector/b2", "model.mm_projector.2.bias", False),
+    ("vision/patch_w", _SIGLIP_PREFIX + "embeddings.patch_embedding.weight", False),
+    ("vision/patch_b", _SIGLIP_PREFIX + "embeddings.patch_embedding.bias", False),
+    ("vision/pos_emb", _SIGLIP_PREFIX + "embeddings.position_embedding.weight", False),
+    ("vision/post_ln_w", _SIGLIP_PREFIX + "post_layernorm.weight", False),
+    ("vision/post_ln_b", _SIGLIP_PREFIX + "post_layernorm.bias", False),
+)
+_SIGLIP_LAYER_TENSORS: tuple[tuple[str, str, bool], ...] = tuple(
+    (f"{key}_{'w' if kind == 'weight' else 'b'}", f"{name}.{kind}", kind == "weight" and linear)
+    for key, name, linear in (("ln1", "layer_norm1", False), ("q", "self_attn.q_proj", True),
+                              ("k", "self_attn.k_proj", True), ("v", "self_attn.v_proj", True),
+                              ("o", "self_attn.out_proj", True), ("ln2", "layer_norm2", False),
+                              ("fc1", "mlp.fc1", True), ("fc2", "mlp.fc2", True))
+    for kind in ("weight", "bias"))
+# LLaDA-MoE (HF Llama/OLMoE names, MOE_SPEC.md section 3): attention as Qwen2's without biases, the per-head
+# q/k-norm weights [hd], the router ``mlp.gate`` [E, D] -> blocks/router [N, D, E], and the experts
+# ``mlp.experts.{e}.*`` stacked per layer: blocks/e_gate, e_up [N, E, D, F], e_down [N, E, F, D]
+_MOE_BLOCK_TENSORS: tuple[tuple[str, str, bool], ...] = tuple(
+    t for t in _QWEN2_BLOCK_TENSORS if t[0] in ("attn_norm", "wq", "wk", "wv", "wo")) + (
+    ("q_norm", "self_attn.q_norm.weight", False), ("k_norm", "self_attn.k_norm.weight", False),
+    ("router", "mlp.gate.weight", True), ("e_gate", "mlp.experts.{e}.gate_proj.weight", True),
+    ("e_up", "mlp.experts.{e}.up_proj.weight", True), ("e_down", "mlp.experts.{e}.down_proj.weight", True),
+    ("ff_norm", "post_attention_layernorm.weight", False),
+)
+#: ModelConfig.family -> (per-layer name format, block tensors, top-level tensors), full HF names; the
+#: top-level keys are params paths ("projector/w1").
 _NAME_MAPS = {
     "llada": (HF_PREFIX + "blocks.{i}.{name}.weight", _BLOCK_TENSORS,
               tuple((k, f"{HF_PREFIX}{n}.weight", t) for k, n, t in _TOP_TENSORS)),
     "dream": ("model.layers.{i}.{name}", _QWEN2_BLOCK_TENSORS, _QWEN2_TOP_TENSORS),
+    "llada_v": ("model.layers.{i}.{name}", tuple(t for t in _QWEN2_BLOCK_TENSORS if t[0] not in ("bq", "bk", "bv")),
+                _LLAVA_TOP_TENSORS),
+    "llada_moe": ("model.layers.{i}.{name}", _MOE_BLOCK_TENSORS, _QWEN2_TOP_TENSORS),
+}
+#: ModelConfig.family -> further layer stacks: (params path of the stack, HF name format, tensors, layer count)
+_EXTRA_STACKS = {
+    "llada_v": (("vision/blocks", _SIGLIP_PREFIX + "encoder.layers.{i}.{name}", _SIGLIP_LAYER_TENSORS,
+                 lambda cfg: cfg.vision.n_layers),),
 }
 
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -153,36 +199,57 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.include_qkv_bias:  # Dream: q/k/v biases
         blocks.update(bq=(n, q), bk=(n, kv), bv=(n, kv))
-    return {"wte": (v, d), "blocks": blocks, "ln_f": (d,), "lm_head": (d, v)}
+    if cfg.moe is not None:  # LLaDA-MoE: routed experts instead of the dense MLP, per-head q/k-norm
+        e = cfg.moe.n_experts
+        for name in ("w_gate", "w_up", "w_down"):
+            del blocks[name]
+        blocks.update(router=(n, d, e), e_gate=(n, e, d, f), e_up=(n, e, d, f), e_down=(n, e, f, d))
+        if cfg.moe.qk_norm:
+            blocks.update(q_norm=(n, cfg.head_dim), k_norm=(n, cfg.head_dim))
+    out = {"wte": (v, d), "blocks": blocks, "ln_f": (d,), "lm_head": (d, v)}
+    if cfg.vision is not None:  # LLaDA-V: the tower, the projector and the newline row
+        out.update(cfg.vision.param_shapes(d))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class _HFEntry:
-    """Where one HF tensor goes: ``params[key]`` (top level) or ``params["blocks"][key][layer]``."""
+    """Where one HF tensor goes: the params leaf at path ``key`` (``"ln_f"``, ``"blocks/wq"``,
+    ``"vision/patch_w"``), at index ``layer`` of its stack for a per-layer tensor."""
 
     key: str
-    layer: Optional[int]
+    layer: Union[None, int, tuple[int, int]]  # (layer, expert) for LLaDA-MoE's stacked experts
     transpose: bool
     shape: tuple[int, ...]  # the HF shape
 
 
 def _hf_entries(cfg: ModelConfig) -> dict[str, _HFEntry]:
     """HF tensor name (with the ``model.transformer.`` prefix) -> :class:`_HFEntry`, in HF order."""
-    shapes = param_shapes(cfg)
+    shapes = dict(_iter_leaves(param_shapes(cfg)))  # params path -> shape
     out: dict[str, _HFEntry] = {}
 
     def hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
         return tuple(reversed(shape)) if transpose else tuple(shape)
 
+    def stack(path: str, fmt: str, tensors: tuple, n_layers: int) -> None:
+        for i in range(n_layers):
+            for key, hf_name, transpose in tensors:
+                if f"{path}/{key}" not in shapes:  # an optional tensor (LLaDA-MoE's q/k-norm) this model lacks
+                    continue
+                shape = shapes[f"{path}/{key}"]
+                for e in range(shape[1]) if "{e}" in hf_name else (None,):  # LLaDA-MoE: one tensor per expert
+                    out[fmt.format(i=i, name=hf_name.replace("{e}", str(e)))] = _HFEntry(
+                        f"{path}/{key}", i if e is None else (i, e), transpose,
+                        hf_shape(shape[1 if e is None else 2:], transpose))
+
     layer_fmt, block_tensors, top_tensors = _NAME_MAPS[cfg.family]
     key, hf_name, transpose = top_tensors[0]  # the embedding comes first, as in HF order
     out[hf_name] = _HFEntry(key, None, transpose, hf_shape(shapes[key], transpose))
-    for i in range(cfg.n_layers):
-        for key, hf_name, transpose in block_tensors:
-            out[layer_fmt.format(i=i, name=hf_name)] = _HFEntry(
-                key, i, transpose, hf_shape(shapes["blocks"][key][1:], transpose))
+    stack("blocks", layer_fmt, block_tensors, cfg.n_layers)
     for key, hf_name, transpose in top_tensors[1:]:
         out[hf_name] = _HFEntry(key, None, transpose, hf_shape(shapes[key], transpose))
+    for path, fmt, tensors, n_layers in _EXTRA_STACKS.get(cfg.family, ()):
+        stack(path, fmt, tensors, n_layers(cfg))
     return out
 
 
@@ -197,6 +264,20 @@ def _iter_leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[st
             yield from _iter_leaves(v, f"{prefix}{k}/")
         else:
             yield f"{prefix}{k}", v
+
+
+def _unflatten(flat: Mapping[str, Any]) -> Params:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}`` (insertion order), top level in the LM's order (wte, blocks,
+    ln_f, lm_head), then the rest."""
+    tree: Params = {}
+    for path, leaf in flat.items():
+        *head, last = path.split("/")
+        node = tree
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    top = [k for k in ("wte", "blocks", "ln_f", "lm_head") if k in tree]
+    return {k: tree[k] for k in top + [k for k in tree if k not in top]}
 
 
 def validate_params(params: Mapping[str, Any], cfg: ModelConfig, source: str = "params") -> None:
@@ -254,7 +335,8 @@ def _matched_names(tensors: Mapping[str, Any], cfg: ModelConfig, entries: Mappin
     names = _canonical_names(tensors, entries)
     extra = sorted(n for n in names if n not in entries)
     if extra:
-        kind = {"llada": "LLaDA", "dream": "Dream"}.get(cfg.family, cfg.family)
+        kind = {"llada": "LLaDA", "dream": "Dream", "llada_v": "LLaDA-V", "llada_moe": "LLaDA-MoE"}.get(
+            cfg.family, cfg.family)
         raise CheckpointError(f"unexpected tensor {names[extra[0]]} in checkpoint (not part of a {kind} model "
                               f"with {cfg.n_layers} layers)"
                               + (f"; {len(extra) - 1} more unexpected" if len(extra) > 1 else ""))
@@ -284,8 +366,8 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: DTy
     want = resolve_dtype(dtype)
     entries = _hf_entries(cfg)
     names = _matched_names(tensors, cfg, entries)
-    shapes = param_shapes(cfg)
-    params: Params = {"blocks": {}}
+    shapes = dict(_iter_leaves(param_shapes(cfg)))
+    params: dict[str, np.ndarray] = {}  # params path -> array
     for name, e in entries.items():  # one lookup per tensor: a LazyTensors reads each tensor once, here
         arr = np.asarray(tensors[names[name]])
         if tuple(arr.shape) != e.shape:
@@ -297,14 +379,14 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: DTy
         if e.layer is None:
             params[e.key] = np.array(arr, dtype=want or arr.dtype, order="C")  # a fresh C-contiguous copy
             continue
-        stack = params["blocks"].get(e.key)
+        stack = params.get(e.key)
         dt = want or (arr.dtype if stack is None else np.promote_types(stack.dtype, arr.dtype))
         if stack is None:
-            stack = params["blocks"][e.key] = np.empty(shapes["blocks"][e.key], dt)
+            stack = params[e.key] = np.empty(shapes[e.key], dt)
         elif stack.dtype != dt:  # layers of mixed dtypes: the stack takes their promoted dtype (exact)
-            stack = params["blocks"][e.key] = stack.astype(dt)
+            stack = params[e.key] = stack.astype(dt)
         stack[e.layer] = arr  # casts (round-to-nearest-even) when dtype is given
-    return {"wte": params["wte"], "blocks": params["blocks"], "ln_f": params["ln_f"], "lm_head": params["lm_head"]}
+    return _unflatten(params)
 
 
 def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -314,7 +396,7 @@ def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.nd
     out: dict[str, np.ndarray] = {}
     host = {k: np.asarray(v) for k, v in _iter_leaves(params)}  # one device->host copy per leaf
     for name, e in _hf_entries(cfg).items():
-        arr = host[e.key] if e.layer is None else host["blocks/" + e.key][e.layer]
+        arr = host[e.key] if e.layer is None else host[e.key][e.layer]
         out[name] = np.ascontiguousarray(arr.T if e.transpose else arr)
     return out
 
@@ -474,7 +556,7 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
     entries = _hf_entries(cfg)
     names = _matched_names(tensors, cfg, entries)
     files = tensors.files
-    shapes = param_shapes(cfg)
+    shapes = dict(_iter_leaves(param_shapes(cfg)))  # params path -> shape
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
 
@@ -499,16 +581,15 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
         by_key: dict[tuple[str, bool], list[str]] = {}  # (key, per-layer) -> HF names (layer order)
         for name, e in entries.items():
             by_key.setdefault((e.key, e.layer is not None), []).append(name)
-        abstract: Params = {"blocks": {}}
+        abstract: dict[str, jax.ShapeDtypeStruct] = {}  # params path -> leaf
         for (key, layered), hf_names in by_key.items():
             dt = want
             if dt is None:  # as hf_to_params: layers of mixed dtypes take their promoted dtype
                 dt = stored[hf_names[0]]
                 for n in hf_names[1:]:
                     dt = np.promote_types(dt, stored[n])
-            shape = shapes["blocks"][key] if layered else shapes[key]
-            (abstract["blocks"] if layered else abstract)[key] = jax.ShapeDtypeStruct(tuple(shape), dt)
-        target = _resolve_shardings(shardings, abstract, cfg)
+            abstract[key] = jax.ShapeDtypeStruct(tuple(shapes[key]), dt)
+        target = dict(_iter_leaves(_resolve_shardings(shardings, _unflatten(abstract), cfg)))
 
         def read(name: str, index: tuple) -> np.ndarray:
             e = entries[name]
@@ -523,24 +604,23 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
                 if not layered:
                     arr = read(hf_names[0], index)
                 else:
-                    layers = range(leaf.shape[0])[index[0]]
-                    parts = [read(hf_names[i], index[1:]).astype(leaf.dtype, copy=False) for i in layers]
-                    arr = np.stack(parts) if parts else np.zeros((0,) + leaf.shape[1:], leaf.dtype)
+                    depth = 2 if isinstance(entries[hf_names[0]].layer, tuple) else 1  # LLaDA-MoE: [N, E]
+                    grid = np.asarray(hf_names, dtype=object).reshape(leaf.shape[:depth])[index[:depth]]
+                    rest = tuple(len(range(n)[ix]) for n, ix in zip(leaf.shape[depth:], index[depth:]))
+                    parts = [read(n, index[depth:]).astype(leaf.dtype, copy=False) for n in grid.reshape(-1)]
+                    arr = (np.stack(parts) if parts else np.zeros((0,) + rest, leaf.dtype)).reshape(grid.shape + rest)
                 return np.ascontiguousarray(arr, dtype=leaf.dtype)  # casts as hf_to_params (numpy, RNE)
 
             return jax.make_array_from_callback(tuple(leaf.shape), sharding, shard)
 
-        out: Params = {"blocks": {}}
+        out: dict[str, jax.Array] = {}
         for (key, layered), hf_names in by_key.items():
-            leaf = abstract["blocks"][key] if layered else abstract[key]
-            sharding = target["blocks"][key] if layered else target[key]
-            (out["blocks"] if layered else out)[key] = build(key, layered, hf_names, leaf, sharding)
-    top = [k for k in ("wte", "blocks", "ln_f", "lm_head") if k in out]
-    return {k: out[k] for k in top + [k for k in out if k not in top]}
+            out[key] = build(key, layered, hf_names, abstract[key], target[key])
+    return _unflatten(out)
 
 
 def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None,
-               shardings: Any = None) -> tuple[ModelConfig, Params]:
+               shardings: Any = None, config: Optional[ModelConfig] = None) -> tuple[ModelConfig, Params]:
     """Loads a model folder: an HF folder (``config.json`` + ``model.safetensors`` or a sharded index) or a
     folder written by :func:`save_converted` (``config.json`` + orbax ``params/``).
 
@@ -552,6 +632,8 @@ def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None,
             :func:`polestar_jax.sharding.param_shardings`) or a params pytree of shardings: each array is
             built shard by shard from the checkpoint (safetensors slices; orbax restores with the
             shardings), so each process of a multi-process mesh reads and holds only its own shards.
+        config: the model's config instead of the folder's ``config.json`` (e.g. with a mask id the file
+            lacks: a golden LLaDA-MoE folder keeps it in ``cases.json``).
 
     Returns:
         ``(cfg, params)`` with params a pytree of jax arrays on the default device (module docstring),
@@ -563,7 +645,7 @@ def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None,
     """
     path = require_folder(path)
     want = resolve_dtype(dtype)
-    cfg = ModelConfig.from_json(os.path.join(path, CONFIG_FILE))
+    cfg = config or ModelConfig.from_json(os.path.join(path, CONFIG_FILE))
     if is_converted_folder(path):
         params = _read_orbax_params(os.path.abspath(os.path.join(path, PARAMS_SUBDIR)), cfg, shardings)
         if want is not None:

@@ -14,8 +14,8 @@ A family is a set of pure functions over its parameter pytree (see :mod:`polesta
   or 1 (row p-1 predicts p; the span's first row predicts its own position too). :meth:`Family.head_at`
   applies it, so no decoder needs to know which family it runs.
 
-Two families are implemented, LLaDA and Dream (:data:`FAMILIES`); another is a new model module that
-calls :func:`register_family` once, and its config names it in ``ModelConfig.family``.
+Four families are implemented (:data:`FAMILIES`): LLaDA, Dream, LLaDA-MoE and LLaDA-V; another is a new
+model module and one :func:`register_family` call, and its config names it in ``ModelConfig.family``.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import jax.numpy as jnp
 
 from polestar_jax.models import llada
 from polestar_jax.models import dream
+from polestar_jax.models import llada_v
+from polestar_jax.models import llada_moe
 from polestar_jax.config import ModelConfig
 from polestar_jax.registry import Registry
 
@@ -41,6 +43,9 @@ class Family:
     project_kv: Callable[..., tuple]
     lm_head: Callable[..., jax.Array]
     logit_shift: int = 0
+    #: token ids no decoder commits (their logits set to a large negative value in :meth:`head_at`;
+    #: LLaDA-V's official sampler hard-codes four, ``llada_v.SUPPRESS_IDS``)
+    suppress_ids: tuple = ()
     #: PolestarConfig fields in which this family's official Polestar code differs from the defaults
     #: (LLaDA's): ``(name, value)`` pairs, applied by :meth:`polestar_config`.
     polestar_defaults: tuple = ()
@@ -61,8 +66,11 @@ class Family:
         ``h`` [b, T, D] (positions relative to the span), with the family's logit alignment."""
         rows = jnp.clip(start + jnp.arange(length) - self.logit_shift, 0, h.shape[1] - 1)
         if self.logit_shift == 0:
-            return self.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, length, axis=1), cfg)
-        return self.lm_head(params, jnp.take(h, rows, axis=1), cfg)
+            out = self.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, length, axis=1), cfg)
+        else:
+            out = self.lm_head(params, jnp.take(h, rows, axis=1), cfg)
+        ids = [i for i in self.suppress_ids if i < out.shape[-1]]
+        return out.at[..., jnp.asarray(ids, jnp.int32)].set(-1e30) if ids else out
 
     def logits(self, params, ids: jax.Array, cfg: ModelConfig, key_valid=None) -> jax.Array:
         """Float32 logits [b, L, V] predicting every position of ``ids`` [b, L] from one plain forward over it
@@ -96,8 +104,22 @@ DREAM = Family(name="dream", embed=dream.embed, layer=dream.layer, forward=dream
                polestar_defaults=(("full_prefix_rows", 64), ("full_suffix_rows", 32), ("proxy_score", "mean"),
                                   ("patch_kv", "clustered"), ("tie_break", "shared_row")))
 
+#: LLaDA-MoE (:mod:`polestar_jax.models.llada_moe`): LLaDA's layer with q/k-norm and routed experts; LLaDA's
+#: alignment and Polestar parameters.
+LLADA_MOE = Family(name="llada_moe", embed=llada_moe.embed, layer=llada_moe.layer, forward=llada_moe.forward,
+                   project_q=llada_moe.project_q, project_kv=llada_moe.project_kv, lm_head=llada_moe.lm_head)
+
+#: LLaDA-V (:mod:`polestar_jax.models.llada_v`): LLaDA's LM in the Llama layout behind a SigLIP tower; its
+#: image rows are prompt rows (ids past the embedding read ``params["image_rows"]``; ``forward(..., embeds=)``
+#: takes spliced rows directly); four ids are never committed (``suppress_ids``).
+LLADA_V = Family(name="llada_v", embed=llada_v.embed, layer=llada_v.layer, forward=llada_v.forward,
+                 project_q=llada_v.project_q, project_kv=llada_v.project_kv, lm_head=llada_v.lm_head,
+                 logit_shift=0, suppress_ids=llada_v.SUPPRESS_IDS)
+
 register_family(LLADA)
 register_family(DREAM)
+register_family(LLADA_V)
+register_family(LLADA_MOE)
 
 
 def polestar_config_for(family: Optional[str], decoder: str = "polestar", **given: Any):

@@ -21,6 +21,7 @@ absolute positions on every forward.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -75,6 +76,29 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
     ``key_valid`` [b, L] (bool) hides padded keys. Softmax in float32. Returns [b, H, T, hd] in q.dtype, and
     with ``return_probs`` also the attention probabilities [b, H, T, L] (float32).
     """
+    if not return_probs and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_available():
+        # a GPU program gets cuDNN's fused attention (no [T, L] score matrix in memory); every other target
+        # (the CPU, a TPU) the exact path below. Float32 and the drift's probabilities always take the exact path.
+        return lax.platform_dependent(q, k, v, key_valid, cuda=fused_attention,
+                                      default=functools.partial(attention_exact, return_probs=False))
+    return attention_exact(q, k, v, key_valid, return_probs)
+
+
+@functools.lru_cache(maxsize=1)
+def cudnn_available() -> bool:
+    """Whether this process can trace cuDNN's fused attention (a CUDA build of jaxlib with cuDNN found)."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+        return True
+    except Exception:  # noqa: BLE001 - no CUDA plugin, no cuDNN, or another JAX: the exact path
+        return False
+
+
+def attention_exact(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.Array],
+                    return_probs: bool = False):
+    """:func:`attention` as two einsums and a float32 softmax (every float32 program; the probabilities)."""
     b, h, t, hd = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, hd)
@@ -89,6 +113,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
     if return_probs:
         return o, p.reshape(b, h, t, -1)
     return o
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.Array],
+                    implementation: str = "cudnn") -> jax.Array:
+    """:func:`attention` through ``jax.nn.dot_product_attention`` (``implementation`` "cudnn": flash attention
+    on a GPU, bf16 / fp16; "xla" anywhere, for tests): ``q`` [b, H, T, hd], ``k``/``v`` [b, KV, L, hd] (GQA
+    as is), ``key_valid`` [b, L] -> [b, H, T, hd]."""
+    mask = None if key_valid is None else key_valid[:, None, None, :]  # [b, 1, 1, L]
+    out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                       mask=mask, implementation=implementation)
+    return out.transpose(0, 2, 1, 3)
 
 
 def project_qkv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -109,14 +144,21 @@ def project_kv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Arr
     return split_heads(xn @ lp["wk"], cfg.n_kv_heads), split_heads(xn @ lp["wv"], cfg.n_kv_heads)
 
 
-def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Residual + output projection of the attention result ``a`` [b, H, T, hd], then the SwiGLU MLP
-    block: returns the layer output [b, T, D] for input rows ``h`` [b, T, D]."""
+def swiglu(lp: LayerParams, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The dense SwiGLU MLP of normed rows ``xn`` [b, T, D] -> [b, T, D]."""
+    return (jax.nn.silu(xn @ lp["w_gate"]) * (xn @ lp["w_up"])) @ lp["w_down"]
+
+
+def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig,
+                 mlp: Optional[Callable[..., jax.Array]] = None) -> jax.Array:
+    """Residual + output projection of the attention result ``a`` [b, H, T, hd], then the MLP block
+    (``mlp(lp, xn, cfg)``, default :func:`swiglu`): returns the layer output [b, T, D] for input rows
+    ``h`` [b, T, D]."""
     b_, _, t_, _ = a.shape
     a = a.transpose(0, 2, 1, 3).reshape(b_, t_, -1)
     h = h + a @ lp["wo"]
     xn = rms_norm(h, lp["ff_norm"], cfg.rms_norm_eps)
-    return h + (jax.nn.silu(xn @ lp["w_gate"]) * (xn @ lp["w_up"])) @ lp["w_down"]
+    return h + (mlp or swiglu)(lp, xn, cfg)
 
 
 class Rope(NamedTuple):
@@ -162,6 +204,7 @@ def layer(
     *,
     q_proj: Callable[..., jax.Array] = None,
     kv_proj: Callable[..., tuple] = None,
+    mlp: Callable[..., jax.Array] = None,
 ) -> LayerOut:
     """THE transformer layer, for query rows ``h`` [b, T, D] at RoPE tables ``q_rope``; every pass runs it
     (full forward, cached steps, Polestar's block starts and refresh stages).
@@ -171,7 +214,8 @@ def layer(
     [b, KV, T, hd] into the cache and returns the layer's full K/V [b, KV, L, hd] (a slice update, a row
     scatter, ...). Then the queries attend over all L keys (rotated with ``k_rope``) and the output
     projection and SwiGLU MLP finish the layer. ``q_proj`` / ``kv_proj``: the family's query and key/value
-    projections (default: LLaDA's :func:`project_q` / :func:`project_kv`; Dream adds biases).
+    projections (default: LLaDA's :func:`project_q` / :func:`project_kv`; Dream adds biases); ``mlp``: its
+    MLP block of the normed rows (default :func:`swiglu`; LLaDA-MoE's routed experts).
     """
     q_proj, kv_proj = q_proj or project_q, kv_proj or project_kv
     if keys is None:
@@ -182,7 +226,7 @@ def layer(
     q_rot = q_rope.rotate(q_proj(lp, h, cfg))
     att = attention(q_rot, keys.k_rot, keys.v, key_valid, return_probs=return_probs)
     a, probs = att if return_probs else (att, None)
-    return LayerOut(finish_layer(lp, h, a, cfg), keys, q_rot, probs)
+    return LayerOut(finish_layer(lp, h, a, cfg, mlp), keys, q_rot, probs)
 
 
 def slice_write(cache: tuple[jax.Array, jax.Array], start: Any, mask: Optional[jax.Array] = None):
@@ -256,6 +300,7 @@ def forward(
     *,
     layer_fn: Optional[Callable[..., LayerOut]] = None,
     into: Optional[tuple[jax.Array, jax.Array]] = None,
+    embeds: Optional[jax.Array] = None,
 ) -> ForwardOut:
     """All layers (under ``lax.scan``, ``unroll`` as there; ``layer_fn``: the family's :func:`layer`) for the query tokens ``ids`` [b, T] at RoPE
     positions ``q_pos`` [b, T].
@@ -265,9 +310,11 @@ def forward(
     ``start``/``write``: where the rows' K/V go in the cache (see :func:`slice_write`).
     ``into``: without a ``cache``, buffers (K, V) [N, b, KV, L, hd] that take every layer's K/V (the
     state's cache: a full pass overwrites it in place); the returned ``kv`` is them.
+    ``embeds``: the input rows [b, T, D] themselves instead of ``embed(params, ids)`` (LLaDA-V's spliced
+    prompt rows; ``ids`` is then not read).
     """
     q_rope, k_rope = Rope.at(q_pos, cfg), Rope.at(key_pos, cfg)
-    h0 = embed(params, ids)
+    h0 = embed(params, ids) if embeds is None else embeds
 
     def body(h, lp, layer_cache):
         w = None if cache is None else slice_write(layer_cache, start, write)
