@@ -98,13 +98,14 @@ from polestar_jax.decode.polestar import start as PST
 from polestar_jax.decode.polestar import state as PSt
 from polestar_jax.decode.polestar import step as PSS
 from polestar_jax.decode.block import EngineSpec
+from polestar_jax.engine.engine import compiler_options
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
 from polestar_jax.models.family import FAMILIES
 from polestar_jax.kernels import backend as KB
 from polestar_jax.decode.polestar.state import proxy_heads
 from polestar_jax.decode.samplers import cached_forward, full_forward
-from polestar_jax.decode.state import init_decode_state
+from polestar_jax.decode.layout import init_decode_state
 
 LLADA_8B_CONFIG = os.path.join(REPO_ROOT, "tests", "data", "llada8b_config.json")
 DREAM_7B_CONFIG = os.path.join(REPO_ROOT, "tests", "data", "dream7b_config.json")
@@ -146,8 +147,9 @@ class CheckConfig:
     model_config: Optional[str] = None  # HF config.json of the shapes (None: the family's, FAMILY_CONFIGS)
     flops: bool = True  # XLA cost analysis of the unrolled lowering
     offload_hidden: str = "none"  # Polestar's hidden-state store: none | int8 | bf16 (pinned_host memory)
-    refresh_buckets: int = PolestarConfig.refresh_buckets  # compiled widths per refresh stage
+    refresh_buckets: Optional[int] = PolestarConfig.refresh_buckets  # compiled widths per refresh stage (none: auto)
     family: str = "llada"  # model family: llada (LLaDA-8B shapes) or dream (Dream-7B shapes)
+    engine_options: bool = True  # compile with the engine's XLA options for this backend (False: XLA's defaults)
 
 
 def _log(msg: str) -> None:
@@ -186,7 +188,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16):
 def polestar_config(cfg: ModelConfig, cc: CheckConfig, kernels: str = "auto") -> PolestarConfig:
     """Polestar's knobs for ``cfg``'s family (Dream: its official windows, proxy score, K/V patch, tie rule)."""
     return FAMILIES[cfg.family].polestar_config(kernels=kernels, offload_hidden=cc.offload_hidden,
-                                                refresh_buckets=cc.refresh_buckets)
+                                                refresh_buckets=cc.refresh_buckets).for_platform(jax.default_backend())
 
 
 def make_params(cfg: ModelConfig, seed: int):
@@ -235,10 +237,10 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str, unroll: 
             geo = PSt.geometry(s, cs, B, pc, window=pc.pass_window(B, False))
             draws = DR.block_start_draws(s, geo, cfg, pc, B, None)
             out = PST.block_start_forward(p, s, geo, cfg, pc, B, False, draws, unroll=unroll)
-            pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels, centroids=out.clusters.centroids,
+            pol = s.policy_state.replace(hs=out.hs, hs_scale=out.hs_scale, labels=out.clusters.labels, centroids=out.clusters.centroids,
                                      counts=out.clusters.counts, n_clusters=out.clusters.n, s_prev=out.s_prev,
                                      p_prev=out.p_prev)
-            return out.logits, s.replace(k_cache=out.k, v_cache=out.v, polestar=pol)
+            return out.logits, s.replace(k_cache=out.k, v_cache=out.v, policy_state=pol)
         return start
     if kind in ("polestar_step", "polestar_refresh_step"):
         refresh = kind == "polestar_refresh_step"
@@ -247,8 +249,8 @@ def step_fn(kind: str, cfg: ModelConfig, cc: CheckConfig, kernels: str, unroll: 
             geo = PSt.geometry(s, cs, B, pc)
             rows = jnp.ones((s.x.shape[0],), bool)
             out = PSS.step_forward(p, s, geo, cfg, pc, B, refresh, rows, None, unroll=unroll)
-            pol = s.polestar.replace(hs=out.hs, hs_scale=out.hs_scale, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk)
-            return (out.logits, out.logits_suf, out.drift), s.replace(k_cache=out.k, v_cache=out.v, polestar=pol)
+            pol = s.policy_state.replace(hs=out.hs, hs_scale=out.hs_scale, centroids=out.centroids, s_prev=out.s_prev, p_prev=out.p_blk)
+            return (out.logits, out.logits_suf, out.drift), s.replace(k_cache=out.k, v_cache=out.v, policy_state=pol)
         return step
     raise ValueError(f"unknown step kind {kind!r}")
 
@@ -409,7 +411,8 @@ def time_kind(kind: str, kernels: str, params, state, cfg: ModelConfig, cc: Chec
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers.*")
-        compiled = jax.jit(fn, donate_argnums=(1,)).lower(params, state, cs).compile()
+        compiled = jax.jit(fn, donate_argnums=(1,)).lower(params, state, cs).compile(  # the engine's options
+            compiler_options(jax.default_backend()) if cc.engine_options else None)
     row["compile_seconds"] = time.perf_counter() - t0
 
     def call(s):
@@ -668,8 +671,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any backend, < 1 minute on a CPU")
     ap.add_argument("--offload-hidden", default="none", choices=["none", "int8", "bf16"],
                     help="Polestar's hidden-state store in host memory (run once with and once without)")
+    ap.add_argument("--xla-defaults", action="store_true",
+                    help="compile with XLA's default options, not the engine's (what every kind ran with before)")
     ap.add_argument("--refresh-buckets", type=int, default=PolestarConfig.refresh_buckets,
-                    help="compiled widths per refresh stage (1: every window row, as a dense refresh)")
+                    help="compiled widths per refresh stage (1: every window row, as a dense refresh; default: "
+                         "the engine's for this backend, 1 on a GPU)")
     args = ap.parse_args(argv)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     bad = [k for k in kinds if k not in KINDS]
@@ -683,8 +689,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      seed=args.seed, budget_s=args.budget_s, peak_hbm_gbs=args.peak_hbm_gbs,
                      peak_tflops=args.peak_tflops, smoke=args.smoke, kinds=kinds, model_config=args.model_config,
                      flops=not args.no_flops, offload_hidden=args.offload_hidden,
-                     refresh_buckets=args.refresh_buckets, family=args.family)
-    if args.refresh_buckets < 1:
+                     refresh_buckets=args.refresh_buckets, family=args.family, engine_options=not args.xla_defaults)
+    if args.refresh_buckets is not None and args.refresh_buckets < 1:
         ap.error("--refresh-buckets must be >= 1")
     try:
         cfg, _ = model_config(cc)

@@ -1,58 +1,22 @@
-"""The block program driven by a fake model family: no weights, one-hot logits that spell a fixed script.
-
-Token at RoPE position p (counted from the row's first real token) is ``2 + p % 5`` before position ``EOS_AT``
-and EOS from there on, with confidence ~0.9993 everywhere. So every forward's commits are known in advance,
-and the tests pin the loop bounds and NFE accounting of each sampler, per-row blocks, insertion into a
-running batch and early exit, in about a second.
+"""The block program driven by the fake model family (``tests/fake_family.py``: one-hot logits that spell a
+fixed script, so every forward's commits are known in advance): the tests pin the loop bounds and NFE
+accounting of each sampler, per-row blocks, insertion into a running batch and early exit, in about a second.
 """
 from __future__ import annotations
 
-import dataclasses
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polestar_jax.models import family as F
-from polestar_jax.config import DecodeConfig, ModelConfig
+from polestar_jax.config import DecodeConfig
 from polestar_jax.decode.block import compact_width
 from polestar_jax.engine.engine import Engine, RunningBatch
-from polestar_jax.models.llada import ForwardOut
-
-V, EOS, MASK, PAD, EOS_AT, B = 16, 1, 15, 0, 14, 4
-CFG = ModelConfig(d_model=V, n_heads=1, n_kv_heads=1, n_layers=1, mlp_hidden_size=4, vocab_size=V,
-                  embedding_size=V, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=PAD,
-                  max_sequence_length=64, family="fake")
-
-
-def _script(pos):
-    return jnp.where(pos >= EOS_AT, EOS, 2 + pos % 5)
-
-
-def _forward(params, ids, cfg, q_pos, key_pos, key_valid=None, cache=None, start=0, write=None, unroll=1, **_):
-    h = 10.0 * jax.nn.one_hot(_script(q_pos), V)
-    if cache is None:
-        b, length = key_pos.shape
-        z = jnp.zeros(F.LLADA.cache_shape(cfg, b, length), jnp.float32)
-        cache = (z, z)
-    return ForwardOut(h, cache, None)
-
-
-FAKE = dataclasses.replace(F.LLADA, name="fake", forward=_forward, embed=lambda p, ids: ids,
-                           lm_head=lambda params, h, cfg: h.astype(jnp.float32))
+from bench.fake_family import B, CFG, EOS_AT, MASK, PARAMS, expected, registered
 
 
 @pytest.fixture(scope="module")
 def engine():
-    F.register_family(FAKE)
-    yield Engine({"w": jnp.zeros((1,), jnp.float32)}, CFG)
-    F.FAMILIES.unregister("fake")
-
-
-def expected(prompt_len: int, gen: int = 16) -> np.ndarray:
-    p = prompt_len + np.arange(gen)
-    return np.where(p >= EOS_AT, EOS, 2 + p % 5)
+    with registered():
+        yield Engine(PARAMS, CFG)
 
 
 PROMPTS = [[3, 4, 5], [3] * 11]  # EOS at generation index 11 (block 2) and 3 (block 0)
@@ -165,3 +129,6 @@ def test_compacted_steps_count_every_row_once(engine, sampler, per_block):
     spec = engine.spec(dc)  # automatic: an eighth of the batch, at least 8 rows, from 16 rows up
     assert [compact_width(n, spec) for n in (4, 15, 16, 72, 128)] == [0, 0, 8, 9, 16]
     assert compact_width(72, spec, sharded=True) == 0
+    # on a GPU a step is bound by its weight reads: every chunk would read all the weights again
+    assert compact_width(72, spec, platform="gpu") == compact_width(72, spec, platform="cuda") == 0
+    assert compact_width(72, spec, platform="tpu") == 9

@@ -182,3 +182,22 @@ def test_gpu_check_dream7b_shapes_lower_for_cuda(kind):
             mlir = compat.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
                 params, state, cs).mlir_module()
             assert "__gpu$xla.gpu.triton" in mlir
+
+
+def test_gpu_session_smoke(tmp_path):
+    """The prepared script for a lent GPU (``bench/gpu_session.py``) runs its steps at tiny sizes on the CPU:
+    the step kinds as compiled before the engine's GPU options, and the engine's block programs per step."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_session", "--smoke", "--steps", "before,blocks",
+                           "--budget-s", "400", "--out-dir", str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    session = json.loads((tmp_path / "session.json").read_text())
+    assert [s["step"] for s in session["steps"]] == ["before", "blocks"]
+    assert all(s["returncode"] == 0 for s in session["steps"]), session["steps"]
+    before = json.loads((tmp_path / "gpu_check_before.json").read_text())
+    assert before["benchmark"] == "gpu_check" and before["results"] and not before["config"]["engine_options"]
+    blocks = json.loads((tmp_path / "block_programs.json").read_text())["rows"]
+    assert {(r["decoder"], r["batch"]) for r in blocks} == {("dual", 1), ("dual", 2), ("polestar", 1), ("polestar", 2)}
+    assert all(r["ms_per_step"] > 0 and r["forwards"] >= 1 for r in blocks)

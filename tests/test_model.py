@@ -221,3 +221,22 @@ def test_bfloat16_params(tiny_a, tiny_a_cases):
     assert err.mean() <= 0.05 * ref.std(), (err.mean(), ref.std())
     assert np.corrcoef(out.ravel(), ref.ravel())[0, 1] > 0.99
     assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_attention_equals_the_exact_path(dtype):
+    """The fused attention a GPU program gets (``jax.nn.dot_product_attention``; here its XLA form, which runs
+    on the CPU) computes the exact path's attention: layout, grouped KV heads and the key mask included."""
+    from polestar_jax.models import llada
+
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(kq, (2, 4, 8, 16)).astype(dtype)
+    k = jax.random.normal(kk, (2, 2, 24, 16)).astype(dtype)
+    v = jax.random.normal(kv, (2, 2, 24, 16)).astype(dtype)
+    valid = jnp.arange(24)[None, :] >= jnp.asarray([[0], [5]])  # row 1: 5 left-padded keys
+    want = np.asarray(llada.attention_exact(q, k, v, valid), np.float32)
+    got = np.asarray(llada.fused_attention(q, k, v, valid, implementation="xla"), np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    # on a machine without cuDNN every program takes the exact path, bit for bit
+    if not llada.cudnn_available():
+        np.testing.assert_array_equal(np.asarray(llada.attention(q, k, v, valid), np.float32), want)

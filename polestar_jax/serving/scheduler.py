@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from polestar_jax.config import BATCH_WAIT, DecodeConfig
 from polestar_jax.engine.engine import Completion, Engine, RowOutput, RunningBatch
+from polestar_jax.engine.snapshot import BlockResult
 from polestar_jax.errors import PolestarError
 
 
@@ -114,11 +115,10 @@ class Scheduler:
         self.sampling, self.compact_rows = sampling, compact_rows
         self.batch_wait = float(batch_wait)
         self.metrics = metrics or (lambda name, value: None)
-        t0 = time.perf_counter()
-        # its shape compiled up front (Engine.precompile), then a batch of that shape (no recompile)
-        self.compiled = engine.precompile(dcfg, [(self.max_batch, self.prompt_slot)], running=True, sampling=sampling,
-                                          compact_rows=compact_rows)
-        self.batch = self._new_batch()
+        t0, n0 = time.perf_counter(), engine.compiles
+        self.batch = self._new_batch()  # the one running batch: building it compiles (or loads) its programs
+        new = engine.compiles - n0
+        self.compiled = list(engine.compile_records)[-new:] if new else []  # their records
         self.compile_seconds = time.perf_counter() - t0
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -149,16 +149,20 @@ class Scheduler:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, job: Job) -> None:
-        """Queues ``job``; raises :class:`QueueFull` or :class:`NotAccepting`. The job is checked first
-        (prompt length, gen length): a :class:`PolestarError` names what is wrong."""
-        if len(job.prompt) == 0:
-            raise PolestarError("the prompt is empty")
+    def check(self, job: Job) -> None:
+        """Raises :class:`PolestarError` for a job the running batch would refuse (the serving layer's one
+        check, on the submitting thread, so that a bad job never reaches the loop): a prompt longer than the
+        prompt slot, empty or with ids outside the vocabulary (:meth:`Engine.check`), a gen length that is not
+        a positive multiple of the block length up to the batch's (:meth:`RunningBatch.check`)."""
         if len(job.prompt) > self.prompt_slot:
             raise PolestarError(f"the prompt has {len(job.prompt)} tokens; this server takes at most "
                                 f"{self.prompt_slot}")
-        self.engine._gen_lengths([job.gen_length], 1, self.dcfg)
-        self.engine.check([job.prompt], self.dcfg)
+        self.batch.check(job.prompt, job.gen_length)
+
+    def submit(self, job: Job) -> None:
+        """Queues ``job``; raises :class:`QueueFull` or :class:`NotAccepting`. The job is checked first
+        (:meth:`check`): a :class:`PolestarError` names what is wrong."""
+        self.check(job)
         with self._cv:
             if not self._accepting:
                 raise NotAccepting("the server is shutting down")
@@ -206,6 +210,7 @@ class Scheduler:
                 self.metrics("outcome", "cancelled")
                 continue
             job.slot = self.batch.insert(job.prompt, seed=job.seed, row=0, tag=job.id, gen_length=job.gen_length,
+                                         checked=True,
                                          temperature=job.temperature, threshold=job.threshold)
             self._jobs[job.slot] = job
         self.metrics("queue", len(self._queue))
@@ -225,10 +230,15 @@ class Scheduler:
                 self._cv.wait(left)
 
     def _loop(self) -> None:
-        finished, block_seconds = 0, 0.0
+        """Admit, dispatch the next block, then read the block before it: the host's work on block ``k``
+        (progress, detokenizing, stop strings, events, freeing rows) runs while the device computes block
+        ``k + 1``, so a block call costs the larger of the two, not their sum. A slot freed by block ``k``'s
+        result takes a new row before block ``k + 2``; a row that a stop string ends decodes one block more
+        on the device, discarded (rows are independent: no other row's tokens change)."""
+        finished, block_seconds, pending = 0, 0.0, None
         while True:
             with self._cv:
-                while not self._stop and not self._queue and not self._jobs:
+                while not self._stop and not self._queue and not self._jobs and pending is None:
                     finished = 0  # (idle: the rows that left are not coming back now)
                     self._cv.wait(0.5)
                 if self._stop:
@@ -236,23 +246,28 @@ class Scheduler:
             try:
                 if finished and self.batch_wait > 0:
                     self._await_arrivals(finished, block_seconds)
-                finished = 0
                 self._admit()
-                for slot, job in list(self._jobs.items()):
-                    if job.cancelled:
-                        self.batch.cancel(slot)
-                        del self._jobs[slot]
-                        self.metrics("outcome", "cancelled")
-                if not self._jobs:
-                    continue
+                self._drop_cancelled()
                 t0, rows = time.perf_counter(), len(self._jobs)
-                self.batch.step()
-                self.blocks_run += 1
-                self.metrics("block", rows)
-                self._report()
+                nxt = None
+                if self.batch.max_blocks_left() > 0:  # some row still has a block to decode
+                    nxt = self.batch.step()
+                    self.blocks_run += 1
+                    self.metrics("block", rows)
+                if pending is not None:
+                    self._report(pending.read())
+                pending = nxt
                 finished, block_seconds = rows - len(self._jobs), time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - a failed step fails its batch, not the server
+                pending = None
                 self._fail_batch(f"{type(e).__name__}: {e}")
+
+    def _drop_cancelled(self) -> None:
+        for slot, job in list(self._jobs.items()):
+            if job.cancelled:
+                self.batch.cancel(slot)
+                del self._jobs[slot]
+                self.metrics("outcome", "cancelled")
 
     def _fail_batch(self, message: str) -> None:
         for job in self._jobs.values():
@@ -261,30 +276,31 @@ class Scheduler:
         self._jobs.clear()
         self.batch = self._new_batch()  # a fresh state (its programs are the engine's: no recompile)
 
-    def _report(self) -> None:
-        """After a block: stream newly finished blocks, finish the rows that are done (their last block, early
-        exit, or a stop string in their text)."""
-        blk, done = self.batch.progress()
-        now = time.perf_counter()
-        watch = [s for s, j in self._jobs.items() if (j.stream or j.stop) and not done[s] and blk[s] > 0]
-        if watch:
-            for s, t in zip(watch, self.batch.tokens(watch)):
-                job = self._jobs[s]
-                self._first_block(job, now)
-                text, hit = self._text(job, t[: int(blk[s]) * self.dcfg.block_length])
-                if hit:  # a stop string ended the response: the row leaves now
-                    self._finish(job, self.batch.take([s], blk)[0], now)
-                    continue
-                if job.stream:
-                    held = max((len(x) for x in job.stop), default=1) - 1  # a stop string may still complete
-                    safe = text[: max(len(job.sent), len(text) - held)]
-                    if len(safe) > len(job.sent):
-                        job.on_event(Event("block", text=safe[len(job.sent):]))
-                        job.sent = safe
-        for row in self.batch.finished(progress=(blk, done)):
-            job = next((j for j in self._jobs.values() if j.id == row.index), None)
-            if job is not None:
-                self._finish(job, row, now)
+    def _report(self, res: BlockResult) -> None:
+        """After a block (``res``, read on the host): stream newly finished blocks and finish the rows that are
+        done (their last block, early exit, or a stop string in their text). Slots whose row was admitted or
+        freed after ``res``'s block was dispatched are not its rows and are left alone."""
+        now, B = time.perf_counter(), self.dcfg.block_length
+        for s, job in list(self._jobs.items()):
+            if not self.batch.holds(res, s):
+                continue
+            n = int(res.blocks[s])
+            if res.done[s]:
+                self._finish(job, self.batch.rows_of(res, [s])[0], now)
+                continue
+            if not (job.stream or job.stop) or n == 0:
+                continue
+            self._first_block(job, now)
+            text, hit = self._text(job, res.tokens[s, : n * B])
+            if hit:  # a stop string ended the response: the row leaves now
+                self._finish(job, self.batch.rows_of(res, [s])[0], now)
+                continue
+            if job.stream:
+                held = max((len(x) for x in job.stop), default=1) - 1  # a stop string may still complete
+                safe = text[: max(len(job.sent), len(text) - held)]
+                if len(safe) > len(job.sent):
+                    job.on_event(Event("block", text=safe[len(job.sent):]))
+                    job.sent = safe
         self.metrics("active", len(self._jobs))
 
     def _finish(self, job: Job, row: RowOutput, now: float) -> None:

@@ -23,7 +23,7 @@ from jax import lax
 
 from polestar_jax.decode.rows import batch_max
 
-from polestar_jax.config import PolestarConfig
+from polestar_jax.config import REFRESH_BUCKETS, PolestarConfig
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ __all__ = ["widths", "store_widths", "complement_widths", "compact", "take_rows"
 def widths(pc: PolestarConfig, n_rows: int) -> tuple[int, ...]:
     """The widths compiled for one refresh stage over ``n_rows`` window rows: 0, then ``ceil(i * n_rows / q)``
     for ``i = 1 .. q`` (``q = pc.refresh_buckets``), ascending and distinct; the last is ``n_rows``."""
-    q = pc.refresh_buckets
+    q = pc.refresh_buckets or REFRESH_BUCKETS  # (none: the default; the engine makes it concrete per platform)
     return tuple(sorted({0, n_rows} | {-(-n_rows * i // q) for i in range(1, q)}))
 
 
