@@ -107,7 +107,7 @@ def time_program(cfg, params, dcfg, batch: int, prompt: int) -> dict:
     and the fusions of the optimized HLO."""
     from polestar_jax.decode.block import decode_block
     from polestar_jax.engine.engine import Engine
-    from polestar_jax.decode.state import init_decode_state
+    from polestar_jax.decode.layout import init_decode_state
 
     eng = Engine(params, cfg)
     spec = eng.spec(dcfg)

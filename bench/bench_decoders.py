@@ -56,7 +56,7 @@ from polestar_jax.engine.engine import Engine
 from polestar_jax.decode.block import EngineSpec
 from polestar_jax.models.family import polestar_config_for
 from polestar_jax.decode.samplers import cached_forward, full_forward
-from polestar_jax.decode.state import init_decode_state
+from polestar_jax.decode.layout import init_decode_state
 
 DEFAULT_OUT = RESULTS_DIR
 

@@ -55,7 +55,9 @@ Every decoding option is a field of a frozen dataclass in
 
 Where the dataclass and the command line (and `polestar_jax.api`) start from different defaults, the
 *Default* column gives both. A value that could not do what it says raises a one-line `ConfigError`
-(exit status 2 on the command line). Fields without a flag are set from Python or `model_args` only.
+(exit status 2 on the command line). Fields without a flag are set from Python or `model_args` only. The
+commands' other flags (the model folder, prompts, output, batch size, devices) are under
+[Run options](#run-options).
 
 This page is written by `{COMMAND}` from the fields' own metadata (the text `--help` prints);
 `tests/test_configuration_page.py` fails when it is out of date.
@@ -291,6 +293,53 @@ def undocumented() -> list[str]:
     return out
 
 
+#: The commands whose run options get a table, in this order.
+COMMANDS = ("polestar_jax.generate", "polestar_jax.serve", "polestar_jax.eval")
+
+
+def _parser_of(module: str) -> argparse.ArgumentParser:
+    """``module``'s ``build_parser()``, built with no ``POLESTAR_*`` variable set (a default read from the
+    environment, like ``--api-key``'s, would otherwise land on the page)."""
+    import importlib
+    import os
+
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("POLESTAR_")}
+    try:
+        return importlib.import_module(module).build_parser()
+    finally:
+        os.environ.update(saved)
+
+
+def _run_default(a: argparse.Action) -> str:
+    if a.required:
+        return "(required)"
+    if a.default is None or a.default is False or a.default in ([], ""):
+        return ""
+    return f"`{_cli_text(a.default)}`"
+
+
+def run_options_section() -> str:
+    """``## Run options``: per command, every flag that is not a configuration field (what to load, where the
+    prompts come from, what to print, how many rows, devices and processes), read off its real parser."""
+    fields = {f.name for cls in knob_classes() for f in dataclasses.fields(cls)}
+    lines = ["## Run options", "",
+             "The flags of the commands that are not decoding options (those are the sections above): what to "
+             "load, where prompts come from, what to print, the rows, devices and processes. Read off each "
+             "command's parser: the text `--help` prints.", ""]
+    for module in COMMANDS:
+        lines += [f"### `python -m {module}`", "", "| Flag | Default | Choices | Meaning |", "|---|---|---|---|"]
+        for a in _parser_of(module)._actions:
+            if not a.option_strings or a.dest in fields or a.help == argparse.SUPPRESS or a.dest == "help":
+                continue
+            flags = ", ".join(f"`{o}`" for o in a.option_strings)
+            if a.metavar:
+                flags += f" `{a.metavar}`"
+            choices = ", ".join(f"`{c}`" for c in a.choices or ())
+            lines.append("| " + " | ".join(_cell(c) for c in (flags, _run_default(a), choices, a.help or "")) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def render() -> str:
     """The whole page."""
     actions, groups = _parser_actions()
@@ -298,6 +347,7 @@ def render() -> str:
     classes = knob_classes()
     for cls in classes:
         parts.append(class_section(cls, actions, groups))
+    parts.append(run_options_section())
     if config.ModelConfig not in classes:
         parts.append("## ModelConfig\n\nNot an option: the model's shapes and token ids, read from the model folder's "
                  "`config.json` (LLaDA or Dream, `ModelConfig.from_json`).\n")

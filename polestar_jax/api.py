@@ -11,9 +11,10 @@
     print(out.tps, out.compile_seconds)
 
 :func:`load` reads a model folder (HF or converted; the bundled ``tiny_tasks`` model when none is given) with
-its tokenizer, chat template and generation defaults, and turns on the persistent compilation cache the
-command lines use (:mod:`polestar_jax.engine.compile_cache`; ``POLESTAR_JAX_CACHE=off`` or ``compile_cache=False`` opts
-out). :meth:`Model.generate` decodes a list of strings as one batch (or in batches of ``batch_size``) with the
+its tokenizer, chat template and generation defaults, and turns on the persistent compilation cache and the
+executable store the command lines use (:func:`use_compile_cache`; ``POLESTAR_JAX_CACHE=off`` or
+``load(..., compile_cache=False)`` opts out), so a rerun loads its programs instead of compiling them.
+:meth:`Model.generate` decodes a list of strings as one batch (or in batches of ``batch_size``) with the
 same engine as ``python -m polestar_jax.generate``; the decoder knobs are the fields of
 :class:`~polestar_jax.config.DecodeConfig` and :class:`~polestar_jax.config.PolestarConfig` as keyword
 arguments, with the same defaults as the command line (decoder ``polestar``; gen / block length from the
@@ -39,8 +40,8 @@ from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
 from polestar_jax.resolve import DECODE_FIELDS, POLESTAR_FIELDS, resolve, type_word  # noqa: F401 (re-exported)
 
-__all__ = ["Model", "Generation", "Generations", "load", "decode_config", "DECODE_FIELDS", "POLESTAR_FIELDS",
-           "EOT_TOKEN"]
+__all__ = ["Model", "Generation", "Generations", "load", "use_compile_cache", "decode_config", "DECODE_FIELDS",
+           "POLESTAR_FIELDS", "EOT_TOKEN"]
 
 #: The chat models' end-of-turn token: a stop id like EOS (the response ends there), but counted by TPF.
 EOT_TOKEN = "<|eot_id|>"
@@ -79,6 +80,7 @@ class Generation:
     tpf             non_eos_tokens / nfe
     tps             tokens/s of the job this row was decoded in
     finish_reason   "stop" (a stop token ended the response) or "length"
+    blocks          blocks decoded (early exit: up to the first block holding a stop token)
     row             the row index in the job (its randomness comes from (seed, row))
     stats           decoder polestar: refresh_steps, early_commits, suffix_commits, windowed_passes; else {}
     prompt          the prompt text (None when decoded from ids)
@@ -95,6 +97,7 @@ class Generation:
     stats: dict = dataclasses.field(default_factory=dict)
     prompt: Optional[str] = None
     finish_reason: str = "length"
+    blocks: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -154,6 +157,22 @@ class Generations(Sequence[Generation]):
                 "block_length": self.decode.block_length}
 
 
+def use_compile_cache() -> Optional[str]:
+    """What :func:`load` does with ``compile_cache=True`` (the default): the persistent compilation cache and
+    the executable store in its ``executables/`` folder, as the command lines have them. A cache folder this
+    process already gave JAX (``jax_compilation_cache_dir``, ``JAX_COMPILATION_CACHE_DIR``) is kept;
+    otherwise the command lines' setting is made (:func:`~polestar_jax.engine.compile_cache.enable_compile_cache`:
+    ``$POLESTAR_JAX_CACHE``, default ``~/.cache/polestar_jax/xla``). ``POLESTAR_JAX_CACHE=off`` turns nothing
+    on. Returns the folder in use, or None."""
+    import jax
+
+    from polestar_jax.engine.compile_cache import cache_folder, enable_compile_cache
+
+    if cache_folder() is None:
+        return None
+    return jax.config.jax_compilation_cache_dir or enable_compile_cache()
+
+
 class Model:
     """A loaded model folder: parameters, tokenizer (with its chat template) and generation defaults.
 
@@ -162,28 +181,27 @@ class Model:
     mesh:           shard over a device mesh: ``"data=2,model=4"`` or a ``jax.sharding.Mesh``; a string first
                     joins the multi-process runtime the environment describes
                     (:func:`polestar_jax.sharding.join_runtime`), so the mesh spans every process's devices
-    compile_cache:  turn on JAX's persistent compilation cache for this process (:mod:`polestar_jax.engine.compile_cache`;
-                    a process-wide setting, so off unless asked; the command lines ask; ``POLESTAR_JAX_CACHE=off``
-                    keeps it off)
+    compile_cache:  the persistent compilation cache and the executable store, as the command lines have them
+                    (:func:`use_compile_cache`: a rerun of the same shapes loads its programs in a fraction of a
+                    second instead of compiling them); a folder the process already gave JAX is kept.
+                    ``compile_cache=False`` or ``POLESTAR_JAX_CACHE=off`` leaves JAX's settings untouched
     log:            called with a line before and after each compile (:class:`polestar_jax.engine.engine.Engine`)
+    config:         the folder's :class:`ModelConfig` when the caller has read it already (``generate`` resolves
+                    its flags against it before the weights load): ``config.json`` is then not read again
 
     ``model.engine`` is the :class:`~polestar_jax.engine.engine.Engine` every call decodes on (it keeps the compiled
     programs; ``model.engine.clear()`` drops them).
     """
 
     def __init__(self, path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
-                 compile_cache: bool = False, log: Optional[Any] = None):
+                 compile_cache: bool = True, log: Optional[Any] = None, config: Optional[ModelConfig] = None):
         from polestar_jax import cli
         from polestar_jax.io.tokenizer import bundled_model_dir
 
         if path is not None:
             cli.need_folder(str(path))
         self.path = str(path) if path is not None else bundled_model_dir()
-        self.compile_cache_dir = None
-        if compile_cache:
-            from polestar_jax.engine.compile_cache import enable_compile_cache
-
-            self.compile_cache_dir = enable_compile_cache()
+        self.compile_cache_dir = use_compile_cache() if compile_cache else None
         from polestar_jax import sharding
         from polestar_jax.io.checkpoint import generation_defaults, load_model
         from polestar_jax.io.tokenizer import load_tokenizer
@@ -195,7 +213,8 @@ class Model:
         self.mesh = mesh
         self.config: ModelConfig
         # with a mesh, each array is built from its shards (a process of a multi-process mesh reads its own)
-        self.config, self.params = load_model(self.path, dtype=dtype, shardings=mesh)
+        more = {} if config is None else {"config": config}  # (a config already read: not read again)
+        self.config, self.params = load_model(self.path, dtype=dtype, shardings=mesh, **more)
         self.dtype = dtype
         self.tokenizer = load_tokenizer(self.path)
         from polestar_jax.engine.engine import Engine
@@ -253,8 +272,8 @@ class Model:
         knobs now, and returns their :class:`~polestar_jax.engine.compile_cache.CompileRecord` (none for a shape already
         compiled). A fixed batch of n prompts runs at :func:`~polestar_jax.engine.engine.batch_bucket` ``(n)``
         rows and prompt slot ``ceil(longest / 16) * 16``; ``running=True`` compiles a continuous job's
-        programs (``batch_size`` smaller than the prompts) instead. With ``load(..., compile_cache=True)``
-        later processes load them from the persistent cache."""
+        programs (``batch_size`` smaller than the prompts) instead. With the compile cache on (:func:`load`'s
+        default) later processes load them from the persistent cache."""
         return self.engine.precompile(self.decode_config(polestar=polestar, **knobs), shapes, running=running)
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], dcfg: DecodeConfig, *, seed: int = 0,
@@ -281,10 +300,11 @@ class Model:
         c = self.engine.completion(r)
         return Generation(text=self.tokenizer.decode(c.response_ids), token_ids=[int(t) for t in r.tokens],
                           response_ids=c.response_ids, nfe=c.nfe, non_eos_tokens=c.non_eos_tokens, tpf=c.tpf,
-                          tps=0.0, row=row, stats=c.stats, prompt=prompt, finish_reason=c.finish_reason)
+                          tps=0.0, row=row, stats=c.stats, prompt=prompt, finish_reason=c.finish_reason,
+                          blocks=len(r.block_nfe))
 
 
 def load(path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
-         compile_cache: bool = False, log: Optional[Any] = None) -> Model:
+         compile_cache: bool = True, log: Optional[Any] = None) -> Model:
     """Loads a model folder (None: the bundled ``tiny_tasks`` model); see :class:`Model`."""
     return Model(path, dtype=dtype, mesh=mesh, compile_cache=compile_cache, log=log)

@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from polestar_jax.errors import PolestarError
+from polestar_jax.io.files import (WRITE_LOCK, atomic_write, need_folder,  # noqa: F401 (the faces' file helpers)
+                                   read_utf8_lines, writing)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
-#: Held while a file is being put into place (:func:`atomic_write`, compilation-cache entries); the
-#: interrupt handler takes it before it exits, so a write in progress completes first.
-_WRITE_LOCK = threading.RLock()
 _INTERRUPT_WAIT_S = 1.5
 
 
@@ -44,48 +41,8 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-@contextlib.contextmanager
-def writing():
-    """Marks a file write the interrupt handler must let finish."""
-    with _WRITE_LOCK:
-        yield
-
-
-def atomic_write(path: str, data: str | bytes) -> None:
-    """Writes ``data`` to ``path`` through a temporary file in the same folder and a rename, so a reader
-    (or an interrupt) sees the old file or the whole new one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    mode = "wb" if isinstance(data, bytes) else "w"
-    with writing():
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-        try:
-            with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-
-
-def guard_compile_cache_writes() -> None:
-    """Makes JAX's persistent compilation cache entries complete or absent after an interrupt.
-
-    JAX writes a cache entry with one ``write_bytes`` call; the entry's write is wrapped in
-    :func:`writing` (the interrupt handler waits for it). A no-op where JAX's cache class is not found."""
-    from polestar_jax import compat
-
-    def wrap(put):
-        def guarded_put(self, key, value):
-            with writing():
-                return put(self, key, value)
-        return guarded_put
-
-    compat.wrap_compile_cache_put(wrap)
-
-
 def _on_interrupt(signum, frame) -> None:  # runs in the main thread
-    _WRITE_LOCK.acquire(timeout=_INTERRUPT_WAIT_S)
+    WRITE_LOCK.acquire(timeout=_INTERRUPT_WAIT_S)
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed pipe must not stop the exit
@@ -155,32 +112,6 @@ def check_utf8(text: str, what: str) -> str:
         offset = len(text[: e.start].encode("utf-8", "surrogateescape"))
         raise PolestarError(f"{what} is not valid UTF-8 (byte offset {offset})") from None
     return text
-
-
-def read_utf8_lines(path: str, what: str = "prompts file") -> list[str]:
-    """The lines of a UTF-8 text file; a missing file, a folder or invalid UTF-8 is a one-line error that
-    names the file (and the byte offset of the first bad byte)."""
-    if os.path.isdir(path):
-        raise PolestarError(f"{what} {path} is a folder, not a file")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise PolestarError(f"cannot read {what} {path}: {e.strerror}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PolestarError(f"{what} {path} is not valid UTF-8 (byte offset {e.start})") from None
-    return text.splitlines()
-
-
-def need_folder(path: str, what: str = "model folder") -> str:
-    """``path`` if it is a folder; otherwise a one-line error that says whether it is missing or a file."""
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise PolestarError(f"{what} {path} is a file, not a folder")
-    raise PolestarError(f"{what} not found: {path}")
 
 
 def print_json(obj: Any) -> None:

@@ -34,7 +34,7 @@ _REQUIRED_VALUES: dict[str, Any] = {
 }
 _REQUIRED_FIELDS = ("d_model", "n_heads", "n_layers", "mlp_hidden_size", "vocab_size", "mask_token_id")
 # config.json ``model_type`` -> ModelConfig.family
-_MODEL_TYPES = {"llada": "llada", "Dream": "dream"}
+_MODEL_TYPES = {"llada": "llada", "Dream": "dream", "llava_llada": "llada_v"}
 # Dream (Qwen2 layout): required fields and fixed values
 _DREAM_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                           "vocab_size")
@@ -50,6 +50,230 @@ def _check_fields(d: dict, source: str, required: Sequence[str], values: dict) -
     for key, want in values.items():
         if key in d and d[key] is not None and d[key] != want:
             raise ConfigError(f"{source}: unsupported {key}={d[key]!r} (this implementation needs {want!r})")
+
+
+# LLaDA-V (``model_type`` "llava_llada"): the LM's Llama-layout fields, and the values of the LLaVA keys this
+# implementation runs (the official LLaDA-V training script's; LLADA_V_SPEC.md section 0)
+_LLAVA_REQUIRED_FIELDS = _DREAM_REQUIRED_FIELDS + ("mm_hidden_size",)
+_LLAVA_REQUIRED_VALUES: dict[str, Any] = {
+    "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mm_projector_type": "mlp2x_gelu",
+    "mm_patch_merge_type": "spatial_unpad", "mm_use_im_start_end": False, "mm_use_im_patch_token": False}
+# SigLIP-so400m-patch14-384 (SigLipVisionConfig's defaults): the tower when no tower config is at hand
+_SIGLIP_DEFAULTS = {"hidden_size": 1152, "num_hidden_layers": 27, "num_attention_heads": 16,
+                    "intermediate_size": 4304, "layer_norm_eps": 1e-6, "patch_size": 14,
+                    "hidden_act": "gelu_pytorch_tanh"}
+
+
+def parse_grid_pinpoints(value: Any, unit: int, source: str = "config") -> tuple[tuple[int, int], ...]:
+    """LLaVA's ``image_grid_pinpoints`` as ``(width, height)`` pixel sizes: a string of ``(axb)`` items is the
+    range from its first to its last item (``"(1x1),...,(6x6)"``: a in 1..6 (outer), b in 1..6), each times
+    ``unit`` pixels; a list of ``[w, h]`` pairs is taken as pixel sizes."""
+    import re
+
+    if isinstance(value, str) and "x" in value:
+        items = re.findall(r"\((\d+)x(\d+)\)", value)
+        if not items:
+            raise ConfigError(f"{source}: cannot read image_grid_pinpoints {value!r}")
+        (a0, b0), (a1, b1) = [tuple(map(int, t)) for t in (items[0], items[-1])]
+        return tuple((a * unit, b * unit) for a in range(a0, a1 + 1) for b in range(b0, b1 + 1))
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"{source}: cannot read image_grid_pinpoints {value!r}") from None
+    try:
+        out = tuple((int(w), int(h)) for w, h in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: cannot read image_grid_pinpoints {value!r}") from None
+    if not out or min(min(p) for p in out) <= 0:
+        raise ConfigError(f"{source}: image_grid_pinpoints must be positive (width, height) pairs")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """LLaDA-V's image side: the SigLIP tower, the ``mlp2x_gelu`` projector and the ``anyres_max`` splicing.
+
+    ``n_layers`` counts the layers the tower runs: the HF SigLIP config's ``num_hidden_layers`` minus one (the
+    official loader deletes the last layer; its features are that layer's input, without post-LayerNorm).
+    ``image_size`` is 384 whatever the tower config says (the official processor hard-codes it,
+    ``docs/differences.md``); ``grid_pinpoints`` are ``(width, height)`` pixel sizes; ``max_num_patches`` is
+    the ``N`` of ``anyres_max_N``; ``model_max_length`` cuts a spliced prompt (``tokenizer_model_max_length``).
+    """
+
+    hidden_size: int = 1152
+    n_layers: int = 26
+    n_heads: int = 16
+    intermediate_size: int = 4304
+    layer_norm_eps: float = 1e-6
+    image_size: int = 384
+    patch_size: int = 14
+    grid_pinpoints: tuple[tuple[int, int], ...] = tuple((384 * a, 384 * b) for a in range(1, 7) for b in range(1, 7))
+    max_num_patches: int = 4
+    model_max_length: int = 8192
+
+    def __post_init__(self):
+        for name in ("hidden_size", "n_layers", "n_heads", "intermediate_size", "image_size", "patch_size",
+                     "max_num_patches", "model_max_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"vision config: {name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.n_heads:
+            raise ConfigError(f"vision config: hidden_size {self.hidden_size} is not divisible by n_heads {self.n_heads}")
+        if self.patch_size > self.image_size:
+            raise ConfigError(f"vision config: patch_size {self.patch_size} > image_size {self.image_size}")
+
+    @property
+    def patches_per_side(self) -> int:
+        """Patches per crop side (27 for 384 px / 14: the convolution drops the last 6 pixels)."""
+        return self.image_size // self.patch_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    def param_shapes(self, d_model: int) -> dict[str, Any]:
+        """The image side's parameter shapes for an LM of width ``d_model`` (:mod:`polestar_jax.models.vision`):
+        ``vision`` (the tower; its ``blocks`` stacked over its layers), ``projector`` and ``image_newline``."""
+        c, nv, f, side, d = self.hidden_size, self.n_layers, self.intermediate_size, self.patches_per_side, d_model
+        blocks = {f"{k}_{x}": (nv, c) for k in ("ln1", "q", "k", "v", "o", "ln2") for x in "wb"}
+        blocks.update({f"{k}_w": (nv, c, c) for k in "qkvo"})
+        blocks.update(fc1_w=(nv, c, f), fc1_b=(nv, f), fc2_w=(nv, f, c), fc2_b=(nv, c))
+        return {"image_newline": (d,), "projector": {"w1": (c, d), "b1": (d,), "w2": (d, d), "b2": (d,)},
+                "vision": {"patch_w": (c, 3, self.patch_size, self.patch_size), "patch_b": (c,),
+                           "pos_emb": (side * side, c), "post_ln_w": (c,), "post_ln_b": (c,), "blocks": blocks}}
+
+    @classmethod
+    def from_llava_dict(cls, d: dict, source: str = "config") -> "VisionConfig":
+        """From a LLaDA-V ``config.json``: the tower's shapes from its ``vision_config`` (an HF SigLIP vision
+        config; SigLIP-so400m's defaults when absent), the rest from the LLaVA keys."""
+        import re
+
+        tower = d.get("vision_config") or dict(_SIGLIP_DEFAULTS)
+        if not isinstance(tower, dict):
+            raise ConfigError(f"{source}: vision_config must be an object")
+        tower = {**_SIGLIP_DEFAULTS, **tower}
+        if tower["hidden_act"] != "gelu_pytorch_tanh":
+            raise ConfigError(f"{source}: unsupported vision hidden_act={tower['hidden_act']!r} "
+                              "(this implementation needs 'gelu_pytorch_tanh')")
+        if int(d["mm_hidden_size"]) != int(tower["hidden_size"]):
+            raise ConfigError(f"{source}: mm_hidden_size {d['mm_hidden_size']} differs from the vision tower's "
+                              f"hidden_size {tower['hidden_size']} (give the tower's config as vision_config)")
+        aspect = d.get("image_aspect_ratio", "anyres_max_4")
+        m = re.fullmatch(r"anyres_max_(\d+)", str(aspect))
+        if not m:
+            raise ConfigError(f"{source}: unsupported image_aspect_ratio={aspect!r} (this implementation needs "
+                              "'anyres_max_<n>')")
+        size = 384  # the official processor's, whatever the tower config says
+        return cls(hidden_size=int(tower["hidden_size"]), n_layers=int(tower["num_hidden_layers"]) - 1,
+                   n_heads=int(tower["num_attention_heads"]), intermediate_size=int(tower["intermediate_size"]),
+                   layer_norm_eps=float(tower["layer_norm_eps"]), image_size=size,
+                   patch_size=int(tower["patch_size"]),
+                   grid_pinpoints=parse_grid_pinpoints(d.get("image_grid_pinpoints", "(1x1),...,(6x6)"), size,
+                                                       source),
+                   max_num_patches=int(m.group(1)),
+                   model_max_length=int(d.get("tokenizer_model_max_length") or 8192))
+
+    def to_llava_dict(self) -> dict:
+        """The LLaVA keys and ``vision_config`` this config was read from (:meth:`from_llava_dict`)."""
+        return {
+            "mm_hidden_size": self.hidden_size, "mm_projector_type": "mlp2x_gelu",
+            "mm_patch_merge_type": "spatial_unpad", "image_aspect_ratio": f"anyres_max_{self.max_num_patches}",
+            "image_grid_pinpoints": [list(p) for p in self.grid_pinpoints], "mm_use_im_start_end": False,
+            "mm_use_im_patch_token": False, "tokenizer_model_max_length": self.model_max_length,
+            "vision_config": {"hidden_size": self.hidden_size, "num_hidden_layers": self.n_layers + 1,
+                              "num_attention_heads": self.n_heads, "intermediate_size": self.intermediate_size,
+                              "layer_norm_eps": self.layer_norm_eps, "patch_size": self.patch_size,
+                              "image_size": self.image_size, "hidden_act": "gelu_pytorch_tanh",
+                              "model_type": "siglip_vision_model"},
+        }
+
+
+# LLaDA-MoE (``architectures`` ["LLaDAMoEModelLM"]; its ``model_type`` is "llada" as LLaDA-8B's): required
+# keys (the remote config's defaults are sentinels, MOE_SPEC.md section 1) and the values this implementation runs
+MOE_ARCHITECTURE = "LLaDAMoEModelLM"
+_MOE_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_experts",
+                        "num_experts_per_tok", "expert_intermediate_size", "vocab_size", "rope_theta")
+_MOE_REQUIRED_VALUES: dict[str, Any] = {
+    "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "partial_rotary_factor": 1,
+    "moe_router_enable_expert_bias": False}
+#: ``<|mask|>`` of the LLaDA-MoE tokenizer: the mask id when neither config.json nor generation_config.json
+#: names one (the real checkpoint's config.json has none)
+LLADA_MOE_MASK_ID = 156895
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a LLaDA-MoE :class:`ModelConfig` (``family`` "llada_moe"); each expert
+    is a SwiGLU MLP of ``ModelConfig.mlp_hidden_size`` (``expert_intermediate_size``).
+
+    ``norm_topk_prob`` is recorded as the config says it but never used: the reference hard-codes no
+    renormalisation of the top-k routing weights (``docs/differences.md``)."""
+
+    n_experts: int  # num_experts
+    top_k: int  # num_experts_per_tok
+    qk_norm: bool = True  # qk_layernorm: per-head RMSNorm of q and k (weight [hd]) before RoPE
+    norm_topk_prob: bool = False  # as config.json says; ignored, as by the reference
+
+    def __post_init__(self):
+        if self.n_experts < 1:
+            raise ConfigError(f"MoeConfig: num_experts must be positive, got {self.n_experts}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(f"MoeConfig: num_experts_per_tok {self.top_k} outside 1..{self.n_experts}")
+
+
+def _llada_moe_config(d: dict, source: str, generation: Optional[dict]) -> "ModelConfig":
+    """A LLaDA-MoE ``config.json`` (HF Llama/OLMoE-style keys): every key read from the file, anything
+    the reference would run differently (a shared expert, dense layers, an expert bias, partial RoPE,
+    q/k/v clipping, RoPE scaling) refused. The mask id: ``mask_token_id`` of config.json, else of
+    ``generation_config.json``, else :data:`LLADA_MOE_MASK_ID` (when the vocabulary holds it)."""
+    _check_fields(d, source, _MOE_REQUIRED_FIELDS, _MOE_REQUIRED_VALUES)
+    for key in ("shared_expert_intermediate_size", "clip_qkv", "rope_scaling"):
+        if d.get(key) is not None:
+            raise ConfigError(f"{source}: unsupported {key}={d[key]!r} (this implementation needs null)")
+    if d["rope_theta"] is None or float(d["rope_theta"]) <= 0:  # (the remote config's default is -1)
+        raise ConfigError(f"{source}: rope_theta must be positive, got {d['rope_theta']!r}")
+    n_layers = int(d["num_hidden_layers"])
+    freq = d.get("moe_layer_freq")
+    if freq is not None and list(freq) != [1] * n_layers:
+        raise ConfigError(f"{source}: unsupported moe_layer_freq={freq!r} (every layer must be MoE)")
+    vocab = int(d["vocab_size"])
+    mask = d.get("mask_token_id", (generation or {}).get("mask_token_id"))
+    if mask is None:
+        if vocab <= LLADA_MOE_MASK_ID:
+            raise ConfigError(f"{source}: no mask_token_id, and LLaDA-MoE's {LLADA_MOE_MASK_ID} is outside the "
+                              f"vocabulary of {vocab}: add \"mask_token_id\" to config.json")
+        mask = LLADA_MOE_MASK_ID
+    pad = d.get("pad_token_id", d.get("eos_token_id"))
+    eos = d.get("eos_token_id", pad)
+    if eos is None:
+        raise ConfigError(f"{source}: missing field(s) eos_token_id")
+    n_heads = int(d["num_attention_heads"])
+    moe = MoeConfig(n_experts=int(d["num_experts"]), top_k=int(d["num_experts_per_tok"]),
+                    qk_norm=bool(d.get("qk_layernorm", False)), norm_topk_prob=bool(d.get("norm_topk_prob")))
+    return ModelConfig.named(
+        source, d_model=int(d["hidden_size"]), n_heads=n_heads,
+        n_kv_heads=int(d.get("num_key_value_heads") or n_heads), n_layers=n_layers,
+        mlp_hidden_size=int(d["expert_intermediate_size"]), vocab_size=vocab, embedding_size=vocab,
+        mask_token_id=int(mask), eos_token_id=int(eos), pad_token_id=int(eos if pad is None else pad),
+        max_sequence_length=int(d.get("max_position_embeddings") or 8192), rope_theta=float(d["rope_theta"]),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)), family="llada_moe", moe=moe)
+
+
+def _llada_moe_hf_dict(cfg: "ModelConfig") -> dict:
+    """The LLaDA-MoE ``config.json`` keys of ``cfg`` (:meth:`ModelConfig.to_hf_dict`)."""
+    n = cfg.n_layers
+    return {
+        "architectures": [MOE_ARCHITECTURE], "model_type": "llada", "hidden_act": "silu",
+        "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "num_hidden_layers": n, "num_experts": cfg.moe.n_experts, "num_experts_per_tok": cfg.moe.top_k,
+        "expert_intermediate_size": cfg.mlp_hidden_size, "moe_layer_freq": [1] * n,
+        "shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+        "qk_layernorm": cfg.moe.qk_norm, "norm_topk_prob": cfg.moe.norm_topk_prob, "vocab_size": cfg.vocab_size,
+        "mask_token_id": cfg.mask_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "max_position_embeddings": cfg.max_sequence_length, "rope_theta": cfg.rope_theta,
+        "partial_rotary_factor": 1, "rope_scaling": None, "rms_norm_eps": cfg.rms_norm_eps,
+        "attention_bias": False, "clip_qkv": None, "tie_word_embeddings": False,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +302,20 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     include_qkv_bias: bool = False
     family: str = "llada"  # the model family (polestar_jax.models.family.FAMILIES)
+    vision: Optional[VisionConfig] = None  # LLaDA-V's tower / projector / splicing (family llada_v only)
+    moe: Optional[MoeConfig] = None  # LLaDA-MoE's experts (family llada_moe only; mlp_hidden_size: per expert)
 
     def __post_init__(self):
         self.validate("ModelConfig")
+
+    @classmethod
+    def named(cls, source: str, **fields: Any) -> "ModelConfig":
+        """``ModelConfig(**fields)`` whose failed checks name ``source`` (the file read) instead of the class:
+        ``config.json: d_model 10 is not divisible by n_heads 3``."""
+        try:
+            return cls(**fields)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {str(e).partition(': ')[2] or e}") from None
 
     @property
     def head_dim(self) -> int:
@@ -94,12 +329,16 @@ class ModelConfig:
         ids the config lacks (Dream's eos)."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object")
+        if MOE_ARCHITECTURE in (d.get("architectures") or ()):  # model_type "llada", as LLaDA-8B's
+            return _llada_moe_config(d, source, generation)
         model_type = d.get("model_type", "llada")
         if model_type not in _MODEL_TYPES:
             raise ConfigError(f"{source}: unsupported model_type {model_type!r} (supported: "
                               f"{', '.join(map(repr, _MODEL_TYPES))})")
         if _MODEL_TYPES[model_type] == "dream":
             return cls._from_dream_dict(d, source, generation)
+        if _MODEL_TYPES[model_type] == "llada_v":
+            return cls._from_llava_dict(d, source)
         _check_fields(d, source, _REQUIRED_FIELDS, _REQUIRED_VALUES)
         if d.get("include_qkv_bias"):
             raise ConfigError(f"{source}: unsupported include_qkv_bias=True")
@@ -109,7 +348,7 @@ class ModelConfig:
             n_kv = 1
         vocab = int(d["vocab_size"])
         emb = int(d.get("embedding_size") or vocab)
-        cfg = cls(
+        cfg = cls.named(source,
             d_model=int(d["d_model"]),
             n_heads=n_heads,
             n_kv_heads=int(n_kv),
@@ -124,7 +363,6 @@ class ModelConfig:
             rope_theta=float(d.get("rope_theta", 10000.0)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
         )
-        cfg.validate(source)
         return cfg
 
     @classmethod
@@ -139,6 +377,15 @@ class ModelConfig:
                 d = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        tower = d.get("mm_vision_tower") if isinstance(d, dict) and d.get("model_type") == "llava_llada" else None
+        tower = os.path.join(os.path.dirname(path), tower, "config.json") if isinstance(tower, str) and tower else ""
+        if tower and "vision_config" not in d and os.path.isfile(tower):
+            # LLaDA-V: the tower's shapes come from the SigLIP folder its config names (as the official loader)
+            try:
+                with open(tower) as f:
+                    d = {**d, "vision_config": json.load(f)}
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{tower}: not valid JSON ({e})") from None
         generation = None
         gen_path = os.path.join(os.path.dirname(path), "generation_config.json")
         if os.path.isfile(gen_path):
@@ -170,7 +417,7 @@ class ModelConfig:
         mask = one_id(d.get("mask_token_id"))
         n_heads = int(d["num_attention_heads"])
         vocab = int(d["vocab_size"])
-        cfg = cls(
+        cfg = cls.named(source,
             d_model=int(d["hidden_size"]), n_heads=n_heads,
             n_kv_heads=int(d.get("num_key_value_heads") or n_heads), n_layers=int(d["num_hidden_layers"]),
             mlp_hidden_size=int(d["intermediate_size"]), vocab_size=vocab, embedding_size=vocab,
@@ -178,10 +425,35 @@ class ModelConfig:
             pad_token_id=pad, max_sequence_length=int(d.get("max_position_embeddings") or 32768),
             rope_theta=float(d.get("rope_theta", 10000.0)), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             include_qkv_bias=True, family="dream")
+        return cfg
+
+    @classmethod
+    def _from_llava_dict(cls, d: dict, source: str) -> "ModelConfig":
+        """A LLaDA-V (``llava_llada``) ``config.json``: the LM in the Llama layout (LLaDA-8B's shapes and
+        ids; the mask id 126336 when absent, as the official sampler hard-codes it) and the image side
+        (:meth:`VisionConfig.from_llava_dict`)."""
+        _check_fields(d, source, _LLAVA_REQUIRED_FIELDS, _LLAVA_REQUIRED_VALUES)
+        if d.get("rope_scaling"):
+            raise ConfigError(f"{source}: unsupported rope_scaling={d['rope_scaling']!r} (plain RoPE only)")
+        n_heads, vocab = int(d["num_attention_heads"]), int(d["vocab_size"])
+        eos = d.get("eos_token_id", 126081)
+        cfg = cls(
+            d_model=int(d["hidden_size"]), n_heads=n_heads,
+            n_kv_heads=int(d.get("num_key_value_heads") or n_heads), n_layers=int(d["num_hidden_layers"]),
+            mlp_hidden_size=int(d["intermediate_size"]), vocab_size=vocab, embedding_size=vocab,
+            mask_token_id=int(d.get("mask_token_id") or 126336), eos_token_id=int(eos),
+            pad_token_id=int(d.get("pad_token_id", eos)),
+            max_sequence_length=int(d.get("max_position_embeddings") or 8192),
+            rope_theta=float(d.get("rope_theta", 500000.0)), rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            family="llada_v", vision=VisionConfig.from_llava_dict(d, source))
         cfg.validate(source)
         return cfg
 
     def validate(self, source: str = "config") -> None:
+        if (self.family == "llada_v") != (self.vision is not None):
+            raise ConfigError(f"{source}: a vision config goes with family 'llada_v' (and only with it)")
+        if (self.family == "llada_moe") != (self.moe is not None):
+            raise ConfigError(f"{source}: a MoE config goes with family 'llada_moe' (and only with it)")
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{source}: {name} must be positive, got {getattr(self, name)}")
@@ -199,19 +471,28 @@ class ModelConfig:
         if self.max_sequence_length <= 0:
             raise ConfigError(f"{source}: max_sequence_length must be positive, got {self.max_sequence_length}")
 
+    def _llama_layout_dict(self, architecture: str, model_type: str) -> dict:
+        """The HF config fields of a Llama-layout model (Dream's Qwen2, LLaDA-V's LM)."""
+        return {
+            "architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
+            "hidden_size": self.d_model, "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads, "num_hidden_layers": self.n_layers,
+            "intermediate_size": self.mlp_hidden_size, "vocab_size": self.vocab_size,
+            "mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id, "max_position_embeddings": self.max_sequence_length,
+            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps, "rope_scaling": None,
+            "tie_word_embeddings": False,
+        }
+
     def to_hf_dict(self) -> dict:
         """The HF ``config.json`` fields this config was read from (enough to load it again)."""
+        if self.family == "llada_moe":
+            return _llada_moe_hf_dict(self)
+        if self.family == "llada_v":
+            return {**self._llama_layout_dict("LlavaLLaDAModelLM", "llava_llada"), "attention_bias": False,
+                    **self.vision.to_llava_dict()}
         if self.family == "dream":
-            return {
-                "architectures": ["DreamModel"], "model_type": "Dream", "hidden_act": "silu",
-                "hidden_size": self.d_model, "num_attention_heads": self.n_heads,
-                "num_key_value_heads": self.n_kv_heads, "num_hidden_layers": self.n_layers,
-                "intermediate_size": self.mlp_hidden_size, "vocab_size": self.vocab_size,
-                "mask_token_id": self.mask_token_id, "eos_token_id": self.eos_token_id,
-                "pad_token_id": self.pad_token_id, "max_position_embeddings": self.max_sequence_length,
-                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps, "rope_scaling": None,
-                "tie_word_embeddings": False,
-            }
+            return self._llama_layout_dict("DreamModel", "Dream")
         return {
             "architectures": ["LLaDAModelLM"], "model_type": "llada",
             "activation_type": "silu", "alibi": False, "attention_layer_norm": False, "block_group_size": 1,
@@ -337,6 +618,11 @@ KERNELS = Kernels.choices()
 OFFLOAD_HIDDEN = OffloadHidden.choices()
 
 
+#: Compiled refresh sizes per stage when ``PolestarConfig.refresh_buckets`` is none (1 on a GPU:
+#: :meth:`PolestarConfig.for_platform`).
+REFRESH_BUCKETS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class PolestarConfig:
     """The knobs of Polestar-Cache and Polestar-Commit; defaults equal the official PyTorch code.
@@ -394,9 +680,11 @@ class PolestarConfig:
                                     "span's first logits row (a shifted family's block-only forward) the later "
                                     "one ranks first (the official Dream code's choice)",
                           choices=TieBreak.choices())
-    refresh_buckets: int = knob(4, "a refresh computes (and, from a host store, moves) only the rows it "
-                                   "selects, rounded up to one of this many compiled sizes (more: less work per "
-                                   "refresh, longer compile; 1: always every window row); tokens never depend on it")
+    refresh_buckets: Optional[int] = knob(None, "a refresh computes (and, from a host store, moves) only the rows "
+                                   "it selects, rounded up to one of this many compiled sizes (more: less work per "
+                                   "refresh, longer compile; 1: always every window row); tokens never depend on it. "
+                                   f"none: {REFRESH_BUCKETS}, or 1 in a program compiled for a GPU (a GPU step is "
+                                   "bound by its weight reads, and each size's branch would copy the layer's weights)")
 
     def __post_init__(self):
         object.__setattr__(self, "kernels", as_mode(Kernels, self.kernels, "Polestar kernels"))
@@ -405,13 +693,22 @@ class PolestarConfig:
             object.__setattr__(self, name, as_mode(cls, getattr(self, name), name))
         self.validate()
 
+    def for_platform(self, platform: Optional[str]) -> "PolestarConfig":
+        """This config with ``refresh_buckets`` none made concrete for programs compiled for ``platform``
+        (``jax.Device.platform``; None: the default, :data:`REFRESH_BUCKETS`): 1 on a GPU, where a refresh
+        step reads every weight whatever rows it computes and each size's branch would copy them."""
+        if self.refresh_buckets is not None:
+            return self
+        gpu = platform in ("gpu", "cuda", "rocm")
+        return dataclasses.replace(self, refresh_buckets=1 if gpu else REFRESH_BUCKETS)
+
     def validate(self) -> None:
         def need(cond: bool, msg: str):
             if not cond:
                 raise ConfigError(f"invalid Polestar setting: {msg}")
 
-        need(isinstance(self.refresh_buckets, int) and self.refresh_buckets >= 1,
-             f"refresh_buckets must be an integer >= 1, got {self.refresh_buckets!r}")
+        need(self.refresh_buckets is None or isinstance(self.refresh_buckets, int) and self.refresh_buckets >= 1,
+             f"refresh_buckets must be an integer >= 1 or none, got {self.refresh_buckets!r}")
         need(self.n_clusters >= 2, f"n_clusters must be >= 2, got {self.n_clusters}")
         need(self.prefix_blocks >= 1, f"prefix_blocks must be >= 1, got {self.prefix_blocks}")
         need(self.suffix_blocks >= 0, f"suffix_blocks must be >= 0, got {self.suffix_blocks}")
@@ -586,7 +883,7 @@ class DecodeConfig:
         if pc.n_clusters > rows:
             raise ConfigError(f"invalid Polestar setting: n_clusters {pc.n_clusters} is larger than the window "
                               f"rows {rows} ((prefix_blocks + suffix_blocks) x block length {B})")
-        if pc.refresh_buckets > rows:
+        if (pc.refresh_buckets or 1) > rows:
             raise ConfigError(f"invalid Polestar setting: refresh_buckets {pc.refresh_buckets} is larger than "
                               f"the window rows {rows} (a bucket holds at least one row)")
         if pc.early_threshold is not None and pc.early_threshold >= self.threshold:

@@ -329,7 +329,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     from polestar_jax.engine.compile_cache import enable_compile_cache
     from polestar_jax.lm_eval_model import MODEL_NAME, PolestarLM
 
-    enable_compile_cache()  # the command line asks for the persistent compilation cache (the library does not)
+    enable_compile_cache()  # the command line's cache folder ($POLESTAR_JAX_CACHE) before load() keeps it
 
     # several processes: every one evaluates every request (SPMD over one mesh); process 0 writes and prints
     multi = cli.join_from_args(args)  # before anything uses a device

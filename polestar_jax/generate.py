@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", help="config.json to plan for (default: the --model folder's)")
     p.add_argument("--batch", type=int, default=None, help="batch size to plan for (default: 1)")
     p.add_argument("--prompt-length", type=int, default=None, help="prompt length to plan for (default: 128)")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="cast weights (default: as stored; --dry-run plans for the torch_dtype config.json "
+                         "declares, else bfloat16)")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout (one line; the "
                                                         "responses and the stats line go to stderr)")
@@ -134,10 +136,32 @@ def _precompile(engine, dcfg: DecodeConfig, shapes, compile_only: bool, leader: 
     return compile_only
 
 
-def dry_run(args, dcfg: DecodeConfig) -> int:
-    """``--dry-run``: memory plan from abstract arrays only (see :mod:`polestar_jax.engine.plan`)."""
+#: Weight dtypes a config.json's ``torch_dtype`` may name that ``--dry-run`` plans for as they are.
+PLAN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def stored_dtype(path: str) -> tuple[str, str]:
+    """The weight dtype ``--dry-run`` plans for without ``--dtype`` (what loading without ``--dtype`` keeps):
+    the ``torch_dtype`` that the ``config.json`` of ``path`` (a folder or the file) declares, else bfloat16
+    (the released LLaDA and Dream checkpoints' dtype); and where it came from, for the plan line."""
+    import json
+    import os
+
+    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(f) as fh:
+            declared = json.load(fh).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    if declared in PLAN_DTYPES:
+        return declared, "config.json torch_dtype"
+    return "bfloat16", "assumed: config.json declares no torch_dtype"
+
+
+def dry_run(args, dcfg: DecodeConfig, cfg: ModelConfig, path: str) -> int:
+    """``--dry-run``: memory plan of the model config ``cfg`` (read from ``path``) from abstract arrays only
+    (see :mod:`polestar_jax.engine.plan`)."""
     from polestar_jax.engine.plan import plan
-    from polestar_jax.io.tokenizer import bundled_model_dir
 
     for flag, value in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file), ("--mesh", args.mesh),
                         ("--coordinator", args.coordinator), ("--num-processes", args.num_processes),
@@ -146,30 +170,20 @@ def dry_run(args, dcfg: DecodeConfig) -> int:
             raise PolestarError(f"{flag} is not used by --dry-run (it plans for --batch x --prompt-length)")
     batch = args.batch if args.batch is not None else _PLAN_FLAGS["batch"]
     prompt_length = args.prompt_length if args.prompt_length is not None else _PLAN_FLAGS["prompt_length"]
-    path = args.model_config or args.model or bundled_model_dir()
-    cfg = ModelConfig.from_json(path)
     if batch < 1 or prompt_length < 1:
         raise PolestarError("--batch and --prompt-length must be >= 1")
     if prompt_length + dcfg.gen_length > cfg.max_sequence_length:
         raise PolestarError(f"prompt length {prompt_length} + gen length {dcfg.gen_length} exceeds "
                             f"max_sequence_length {cfg.max_sequence_length}")
-    mp = plan(cfg, dcfg, batch=batch, prompt_len=prompt_length, dtype=args.dtype or "bfloat16")
+    dtype, source = (args.dtype, "--dtype") if args.dtype else stored_dtype(path)
+    mp = plan(cfg, dcfg, batch=batch, prompt_len=prompt_length, dtype=dtype)
     print(f"plan: {path} decoder={dcfg.decoder} batch={batch} prompt={prompt_length} "
-          f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={args.dtype or 'bfloat16'}")
+          f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={dtype} ({source})")
     for line in mp.lines():
         print("  " + line)
     if args.json:
         cli.print_json(dataclasses.asdict(mp))
     return 0
-
-
-def _family(path: str) -> Optional[str]:
-    """The model family of the folder (or config.json) ``path``; None when its config does not read (the
-    loader then reports why, in one line)."""
-    try:
-        return ModelConfig.from_json(path).family
-    except PolestarError:
-        return None
 
 
 def _check_plan_flags(args) -> None:
@@ -187,9 +201,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     from polestar_jax.io.checkpoint import generation_defaults
     from polestar_jax.io.tokenizer import bundled_model_dir
 
-    defaults = {} if args.dry_run and args.model_config else generation_defaults(args.model or bundled_model_dir())
-    resolved = resolve_args(args, defaults, _family(args.model_config if args.dry_run and args.model_config
-                                                    else args.model or bundled_model_dir()))
+    model_dir = args.model or bundled_model_dir()
+    plan_file = args.model_config if args.dry_run else None
+    # config.json read once: its family resolves the flags (before any weight is read), then the loader takes it
+    cfg = ModelConfig.from_json(plan_file or model_dir)
+    resolved = resolve_args(args, {} if plan_file else generation_defaults(model_dir), cfg.family)
     dcfg = resolved.decode
     if not args.quiet:
         for note in resolved.notes:
@@ -201,76 +217,80 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     prompts = None if args.dry_run or compile_only else read_prompts(args)
     enable_compile_cache()
     if args.dry_run:
-        return dry_run(args, dcfg)
-
-    from polestar_jax.io.checkpoint import load_model
-    from polestar_jax.engine.engine import Engine
-    from polestar_jax.io.tokenizer import load_tokenizer
-
+        return dry_run(args, dcfg, cfg, plan_file or model_dir)
+    model = _load(args, model_dir, cfg)
     from polestar_jax import sharding
+
+    if shapes is not None and _precompile(model.engine, dcfg, shapes, compile_only, sharding.is_leader()):
+        return 0
+    engine = model.engine
+    n0 = engine.compiles
+    out = model.generate_ids([model.prompt_ids(p, chat=not args.no_chat) for p in prompts], dcfg, seed=args.seed,
+                             batch_size=args.batch_size, prompts=prompts)
+    compiled = list(engine.compile_records)[len(engine.compile_records) - (engine.compiles - n0):]
+    if not sharding.is_leader():  # process 0 prints the results (every process has them)
+        return 0
+    _print_rows(out, dcfg, compiled, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        cli.print_json(_json_document([g.to_dict() for g in out], out, model_dir, compiled))
+    return 0
+
+
+def _load(args, model_dir: str, cfg: ModelConfig):
+    """The :class:`polestar_jax.api.Model` of the command line, loaded as :func:`polestar_jax.api.load` loads
+    (with ``cfg``, the config already read): the multi-process runtime joined first, then the mesh."""
+    from polestar_jax import api, sharding
 
     multi = cli.join_from_args(args)  # before anything uses a device
     mesh = sharding.mesh_or_none(args.mesh)
     if multi and mesh is None and sharding.is_leader():
         print("warning: several processes but no --mesh: every process decodes the whole batch on its own "
               "first device", file=sys.stderr)
-    model_dir = args.model or bundled_model_dir()
-    cfg, params = load_model(model_dir, dtype=args.dtype, shardings=mesh)  # each process reads its shards
-    tok = load_tokenizer(model_dir)
     log = None if args.quiet or not sharding.is_leader() else (lambda m: print(m, file=sys.stderr, flush=True))
-    engine = Engine(params, cfg, tok, mesh=mesh, log=log)
-    if shapes is not None and _precompile(engine, dcfg, shapes, compile_only, sharding.is_leader()):
-        return 0
-    ids = [tok.encode(p) if args.no_chat else tok.chat_prompt_ids(p) for p in prompts]
-    n0 = engine.compiles
-    job = engine.generate(ids, dcfg, seed=args.seed, batch_size=args.batch_size)
-    compiled = list(engine.compile_records)[len(engine.compile_records) - (engine.compiles - n0):]
-    if not sharding.is_leader():  # process 0 prints the results (every process has them)
-        return 0
-    # with --json, stdout carries exactly one line (the JSON document); the text goes to stderr
-    text_out = sys.stderr if args.json else sys.stdout
-    rows = []
-    for i, r in enumerate(job.rows):
-        c = engine.completion(r)
-        row = {"prompt": prompts[i], "text": tok.decode(c.response_ids), "token_ids": [int(t) for t in r.tokens],
-               "nfe": c.nfe, "tpf": c.tpf, "generated_tokens": c.non_eos_tokens, "finish_reason": c.finish_reason,
-               "blocks": len(r.block_nfe)}
-        row.update(c.stats)
-        rows.append(row)
-    total_tokens = sum(r["generated_tokens"] for r in rows)
-    nfe = sum(r["nfe"] for r in rows)
-    tps = total_tokens / job.seconds if job.seconds > 0 else 0.0
-    for i, row in enumerate(rows):
-        if len(rows) > 1:
-            print(f"--- [{i}] {row['prompt']}", file=text_out)
-        print(row["text"], file=text_out)
-        extra = ""
-        if "refresh_steps" in row:
-            extra = (f" refresh_steps={row['refresh_steps']} early_commits={row['early_commits']} "
-                     f"suffix_commits={row['suffix_commits']}")
-        print(f"[{dcfg.decoder}/{dcfg.cache}] nfe={row['nfe']} tpf={row['tpf']:.2f} "
-              f"tokens={row['generated_tokens']}{extra}", file=text_out)
-    print(f"stats: nfe={nfe} tpf={total_tokens / max(nfe, 1):.2f} tokens/s={tps:.1f} decode={job.seconds:.3f}s "
-          f"compile={job.compile_seconds:.2f}s{compile_summary(compiled)}", file=text_out)
-    if args.json:
-        cli.print_json(_json_document(rows, tps, job, dcfg, model_dir, compiled))
-    return 0
+    # (with a mesh each process reads its own shards)
+    return api.Model(model_dir, dtype=args.dtype, mesh=mesh, log=log, config=cfg)
 
 
-def _json_document(rows: list[dict], tps: float, job, dcfg: DecodeConfig, model_dir: str, compiled=()) -> dict:
-    """The ``--json`` document: one row's fields (several rows: lists), the job's totals and every row."""
+def _print_rows(out, dcfg: DecodeConfig, compiled, text_out) -> None:
+    """The responses, one stats line per row and the job's stats line (with ``--json``: on stderr, so that
+    stdout carries exactly one line, the JSON document)."""
+    for g in out:
+        if len(out) > 1:
+            print(f"--- [{g.row}] {g.prompt}", file=text_out)
+        print(g.text, file=text_out)
+        st = g.stats
+        extra = (f" refresh_steps={st['refresh_steps']} early_commits={st['early_commits']} "
+                 f"suffix_commits={st['suffix_commits']}") if "refresh_steps" in st else ""
+        print(f"[{dcfg.decoder}/{dcfg.cache}] nfe={g.nfe} tpf={g.tpf:.2f} tokens={g.non_eos_tokens}{extra}",
+              file=text_out)
+    print(f"stats: nfe={out.nfe} tpf={out.tpf:.2f} tokens/s={out.tps:.1f} decode={out.seconds:.3f}s "
+          f"compile={out.compile_seconds:.2f}s{compile_summary(compiled)}", file=text_out)
+
+
+def compile_record_json(rec) -> dict:
+    """One entry of the ``--json`` document's ``compiled`` list: a
+    :class:`~polestar_jax.engine.compile_cache.CompileRecord`'s fields (``from_store``: loaded from the
+    executable store, nothing traced)."""
+    return dataclasses.asdict(rec)
+
+
+def _json_document(rows: list[dict], out, model_dir: str, compiled=()) -> dict:
+    """The ``--json`` document: one row's fields (several rows: lists of the text, token ids, forwards, TPF
+    and Polestar's counters), the job's totals, and every row as :meth:`polestar_jax.api.Generation.to_dict`
+    gives it (``non_eos_tokens``, ``stats``, ...)."""
     one = len(rows) == 1
-    out = dict(rows[0]) if one else {"text": [r["text"] for r in rows]}
-    for key in ("refresh_steps", "early_commits", "suffix_commits"):
-        if key in rows[0]:
-            out[key] = rows[0][key] if one else [r[key] for r in rows]
+    out_doc = dict(rows[0]) if one else {"text": [r["text"] for r in rows]}
+    for key in rows[0]["stats"]:  # decoder polestar: refresh_steps, early_commits, ... also at the top
+        out_doc[key] = rows[0]["stats"][key] if one else [r["stats"][key] for r in rows]
     for key in ("nfe", "tpf", "token_ids"):
-        out[key] = rows[0][key] if one else [r[key] for r in rows]
-    out.update({"tps": tps, "decode_seconds": job.seconds, "compile_seconds": job.compile_seconds,
-                "compiled": [dataclasses.asdict(r) for r in compiled],
-                "decoder": dcfg.decoder, "cache": dcfg.cache, "gen_length": dcfg.gen_length,
-                "block_length": dcfg.block_length, "early_exit": dcfg.early_exit, "model": model_dir, "rows": rows})
-    return out
+        out_doc[key] = rows[0][key] if one else [r[key] for r in rows]
+    dcfg = out.decode
+    out_doc.update({"tps": out.tps, "decode_seconds": out.seconds, "compile_seconds": out.compile_seconds,
+                    "compiled": [compile_record_json(r) for r in compiled],
+                    "decoder": dcfg.decoder, "cache": dcfg.cache, "gen_length": dcfg.gen_length,
+                    "block_length": dcfg.block_length, "early_exit": dcfg.early_exit, "model": model_dir,
+                    "rows": rows})
+    return out_doc
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -243,6 +243,7 @@ class PolestarLM(LM):
         self._indexed = 0  # records in _index (task, doc_id) -> records
         self._index: dict = {}
         self.ll_records: list[dict] = []
+        self._programs: dict = {}  # (function name, guided) -> its jitted program (log-likelihoods)
 
     # -------------------------------------------------------------------------- configs and identity
     def decode_config(self, gen_length: Optional[int]) -> DecodeConfig:
@@ -379,10 +380,6 @@ class PolestarLM(LM):
                                     f"tpf {tokens_done / max(1, nfe_done):.2f}", refresh=False)
                 bar.update(len(members))
         if bar is not None:
-                    bar.set_postfix_str(f"{tokens_done / seconds_done if seconds_done > 0 else 0.0:.1f} tok/s, "
-                                        f"tpf {tokens_done / max(1, nfe_done):.2f}", refresh=False)
-                    bar.update(len(chunk))
-        if bar is not None:
             bar.close()
         return out  # type: ignore[return-value]
 
@@ -495,7 +492,7 @@ class PolestarLM(LM):
         ids, valid = self._arrays(prefix, target, m)
         tgt = ids.copy()
         mask_id = self.model.config.mask_token_id
-        fn = _nll_fn(self.model.config, self.own["cfg"] > 0)
+        fn = self._program(_nll)
         total, forwards = 0.0, 0
         for _ in range(mc // m):
             k = int(rng.integers(1, T + 1))
@@ -514,13 +511,23 @@ class PolestarLM(LM):
             forwards += 2 if self.own["cfg"] > 0 else 1
         return -total / mc, forwards
 
+    def _program(self, fn):
+        """``fn`` (:func:`_nll` or :func:`_argmax`) jitted for this model and guidance setting, kept by this
+        instance (compiled on first use; dropped with it)."""
+        key = (fn.__name__, self.own["cfg"] > 0)
+        if key not in self._programs:
+            import jax
+
+            self._programs[key] = jax.jit(functools.partial(fn, mcfg=self.model.config, use_cfg=key[1]))
+        return self._programs[key]
+
     def _greedy_matches(self, prefix: Sequence[int], target: Sequence[int]) -> bool:
         """Whether decoding the continuation one token per forward (the most confident masked position
         first) reproduces it."""
         T, P = len(target), len(prefix)
         mask_id = self.model.config.mask_token_id
         ids, valid = self._arrays(prefix, [mask_id] * T, 1)
-        fn = _argmax_fn(self.model.config, self.own["cfg"] > 0)
+        fn = self._program(_argmax)
         for _ in range(T):
             uncond = ids.copy()
             uncond[:, :P] = mask_id
@@ -561,28 +568,20 @@ def _guided_logits(params, noisy, uncond, valid, scale, mcfg, use_cfg: bool):
     return logits
 
 
-@functools.lru_cache(maxsize=None)
-def _nll_fn(mcfg, use_cfg: bool):
+def _nll(params, noisy, uncond, valid, targets, scale, *, mcfg, use_cfg: bool):
+    """Each position's negative log-probability of ``targets`` [m, L] under the (guided) logits."""
     import jax
     import jax.numpy as jnp
 
-    @jax.jit
-    def fn(params, noisy, uncond, valid, targets, scale):
-        logits = _guided_logits(params, noisy, uncond, valid, scale, mcfg, use_cfg)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-
-    return fn
+    logits = _guided_logits(params, noisy, uncond, valid, scale, mcfg, use_cfg)  # [m, L, V]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [m, L]
 
 
-@functools.lru_cache(maxsize=None)
-def _argmax_fn(mcfg, use_cfg: bool):
+def _argmax(params, ids, uncond, valid, scale, *, mcfg, use_cfg: bool):
+    """Each position's most likely token and its probability (the greedy check's step)."""
     import jax
     import jax.numpy as jnp
 
-    @jax.jit
-    def fn(params, ids, uncond, valid, scale):
-        logits = _guided_logits(params, ids, uncond, valid, scale, mcfg, use_cfg).astype(jnp.float32)
-        return jnp.argmax(logits, axis=-1), jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
-
-    return fn
+    logits = _guided_logits(params, ids, uncond, valid, scale, mcfg, use_cfg).astype(jnp.float32)  # [1, L, V]
+    return jnp.argmax(logits, axis=-1), jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)  # [1, L], [1, L]

@@ -7,6 +7,7 @@ modules cannot silently replace each other's entry), and a lookup of an unknown 
 """
 from __future__ import annotations
 
+import importlib
 from typing import Generic, Iterator, TypeVar
 
 from polestar_jax.errors import ConfigError
@@ -19,12 +20,22 @@ class Registry(Generic[T]):
     (the names, in registration order) and :meth:`items`. ``kind`` names the items in errors
     (``"model family"``, ``"decoder"``)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, builtins: tuple[str, ...] = ()):
         self.kind = kind
         self._items: dict[str, T] = {}
+        #: modules that register the built-in items, imported on the first lookup (so a lookup never depends
+        #: on which modules the caller happened to import, and the registry's module imports none of them)
+        self._builtins = builtins
+
+    def _load(self) -> None:
+        if self._builtins:
+            names, self._builtins = self._builtins, ()
+            for name in names:
+                importlib.import_module(name)
 
     def register(self, name: str, item: T) -> T:
         """Adds ``item`` under ``name`` and returns it; a :class:`ValueError` if ``name`` is registered."""
+        self._load()
         if not isinstance(name, str) or not name:
             raise ValueError(f"a {self.kind} is registered under a non-empty name, not {name!r}")
         if name in self._items:
@@ -37,18 +48,23 @@ class Registry(Generic[T]):
         return self._items.pop(name)
 
     def __getitem__(self, name: str) -> T:
+        self._load()
         if name not in self._items:
             raise ConfigError(f"unknown {self.kind} {name!r} (registered: {', '.join(self._items) or 'none'})")
         return self._items[name]
 
     def __contains__(self, name: object) -> bool:
+        self._load()
         return name in self._items
 
     def __iter__(self) -> Iterator[str]:
+        self._load()
         return iter(list(self._items))
 
     def __len__(self) -> int:
+        self._load()
         return len(self._items)
 
     def items(self) -> list[tuple[str, T]]:
+        self._load()
         return list(self._items.items())

@@ -85,10 +85,15 @@ def _limits(args, model):
     flag = cli.flag_namer({**given, **knobs}, PolestarConfig, DecodeConfig)
     dcfg = resolve(given, knobs, model.defaults, family=model.config.family, name=flag).decode
     room = model.config.max_sequence_length - dcfg.gen_length
+    if room < 1:
+        asked = (f"--max-tokens {max_tokens}" if args.max_tokens is not None else
+                 f"max_tokens {max_tokens} (the folder's gen length; set --max-tokens)")
+        raise PolestarError(f"{asked} decodes {dcfg.gen_length} tokens (whole blocks of {dcfg.block_length}), which "
+                            f"leaves no room for a prompt in the model's max_sequence_length "
+                            f"{model.config.max_sequence_length}")
     slot = args.max_prompt_tokens if args.max_prompt_tokens is not None else min(128, room)
     if slot < 1:
-        raise PolestarError(f"--max-prompt-tokens must be >= 1 (the model's max_sequence_length "
-                            f"{model.config.max_sequence_length} leaves {room} after {dcfg.gen_length} generated)")
+        raise PolestarError(f"--max-prompt-tokens must be >= 1, got {slot}")
     if slot > room:
         raise PolestarError(f"--max-prompt-tokens {slot} + gen length {dcfg.gen_length} exceeds the model's "
                             f"max_sequence_length {model.config.max_sequence_length}")
@@ -100,6 +105,21 @@ def _limits(args, model):
     if args.compact_rows is not None and args.compact_rows < 0:
         raise PolestarError(f"--compact-rows must be >= 0, got {args.compact_rows}")
     return ServerLimits(slot, max_tokens, dcfg.block_length), dcfg
+
+
+def test_bed_note(path: str) -> Optional[str]:
+    """The note the server prints at start when ``path`` is one of the bundled test beds
+    (``polestar_jax/assets/*``): they know chat-formatted prompts only, so a plain ``/v1/completions`` prompt
+    gets an empty answer (HTTP 200); None for any other folder."""
+    from polestar_jax.io.tokenizer import bundled_model_dir
+
+    assets = os.path.dirname(os.path.realpath(bundled_model_dir()))
+    folder = os.path.realpath(path)
+    if os.path.dirname(folder) != assets:
+        return None
+    return (f"note: '{os.path.basename(folder)}' is a bundled test bed that knows chat-formatted prompts only: "
+            "/v1/chat/completions applies the chat template; a /v1/completions prompt must be the template's "
+            "rendering (docs/serving.md#completions-on-a-chat-model), or the answer is empty")
 
 
 def event_loop():
@@ -134,6 +154,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     model = api.load(args.model, dtype=args.dtype, mesh=args.mesh, compile_cache=True, log=log)
     limits, dcfg = _limits(args, model)
+    note = test_bed_note(model.path)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     served = args.served_model_name or os.path.basename(os.path.normpath(model.path))
     t0 = time.perf_counter()
     scheduler = Scheduler(model.engine, dcfg, args.max_batch, limits.max_prompt_tokens, args.max_queue,

@@ -63,8 +63,9 @@ def test_readme_snippet_runs_as_written():
         assert r.tps == out.tps  # one batch
     assert out.rows[1].text == "gus,hal,ivy"  # the trained model copies
     assert out.tpf == pytest.approx(out.non_eos_tokens / out.nfe) and out.tps > 0
-    # load() leaves process-wide JAX settings alone unless asked (compile_cache=True; the command lines ask)
-    assert model.compile_cache_dir is None
+    # load() uses the persistent cache and the executable store; a folder the process gave JAX (here the
+    # session's) is kept
+    assert model.compile_cache_dir == jax.config.jax_compilation_cache_dir is not None
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,37 @@ def test_decode_config_errors_are_one_line(tiny):
     with pytest.raises(PolestarError, match="not found"):
         api.load("/nonexistent/model")
     assert api.decode_config(polestar=PolestarConfig(top_k=2)).polestar.top_k == 2
+
+
+_RERUN = """
+import jax, sys
+from polestar_jax.api import load
+model = load()
+out = model.generate(["copy: ann,bob,cal"], decoder="llada", gen_length=8)
+print(model.compile_cache_dir, jax.config.jax_compilation_cache_dir, out.texts[0] != "",
+      sorted({r.from_store for r in model.engine.compile_records}))
+"""
+
+
+def test_load_reruns_load_from_the_executable_store(subprocess_env, tmp_path):
+    """A script's rerun loads its programs from the executable store (nothing traced), as the command lines'
+    reruns do: load() turns the cache on by default; POLESTAR_JAX_CACHE=off leaves JAX's settings alone."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in subprocess_env.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+    env.update(POLESTAR_JAX_CACHE=str(tmp_path / "cc"), JAX_DEFAULT_MATMUL_PRECISION="highest")
+
+    def rerun(**more):
+        r = subprocess.run([sys.executable, "-c", _RERUN], cwd=REPO_ROOT, env=dict(env, **more), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    folder = str(tmp_path / "cc")
+    assert rerun() == [folder, folder, "True", "[False]"]  # compiled, stored
+    assert rerun() == [folder, folder, "True", "[True]"]  # the rerun: every program from the store
+    assert rerun(POLESTAR_JAX_CACHE="off") == ["None", "None", "True", "[False]"]
 
 
 def test_compile_cache_opt_out(monkeypatch, tmp_path):

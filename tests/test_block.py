@@ -14,7 +14,8 @@ from polestar_jax.decode import block
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import ConfigError
 from polestar_jax.models.family import FAMILIES, family_of
-from polestar_jax.decode.state import axes_of, init_decode_state, row_key_data, select_rows
+from polestar_jax.decode.layout import init_decode_state
+from polestar_jax.decode.state import axes_of, row_key_data, select_rows
 
 CFG = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=48, vocab_size=64,
                   embedding_size=64, mask_token_id=63, eos_token_id=62, pad_token_id=62, max_sequence_length=128)
@@ -81,7 +82,31 @@ def test_every_decoder_is_a_policy_of_the_one_block_program():
     for decoder in ("llada", "fastdllm", "polestar"):
         p = block.policy_for(decoder)
         assert isinstance(p, block.Policy)
-        assert all(callable(f) for f in p)
+        assert all(callable(f) for f in p[:5])
+        # a policy's own part of the state comes through its hooks (only Polestar keeps one)
+        assert (p.own is not None) == (decoder == "polestar")
+        assert p.own is None or all(callable(f) for f in p.own)
+
+
+def test_policies_and_families_join_through_registries():
+    from polestar_jax.decode.policy import POLICIES, register_policy
+    from polestar_jax.errors import ConfigError
+    from polestar_jax.models.family import FAMILIES, LLADA, register_family
+
+    with pytest.raises(ValueError, match="decoder 'llada' is already registered"):
+        register_policy("llada", block.policy_for("fastdllm"))
+    with pytest.raises(ValueError, match="model family 'dream' is already registered"):
+        register_family(dataclasses.replace(LLADA, name="dream"))
+    with pytest.raises(ConfigError, match=r"unknown decoder 'nope' \(registered: .*fastdllm"):
+        block.policy_for("nope")
+    with pytest.raises(ConfigError, match=r"unknown model family 'nope' \(registered: llada, dream"):
+        family_of(dataclasses.replace(CFG, family="nope"))
+    mine = register_family(dataclasses.replace(LLADA, name="mine"))
+    try:
+        assert FAMILIES["mine"] is mine and "mine" in FAMILIES and {"llada", "fastdllm", "polestar"} <= set(POLICIES)
+    finally:
+        FAMILIES.unregister("mine")
+    assert "mine" not in FAMILIES
     spec = block.EngineSpec.from_config(CFG, DecodeConfig(decoder="polestar", gen_length=16, block_length=8))
     assert spec.unroll == 1 and block.EngineSpec.from_config(
         CFG, DecodeConfig(decoder="polestar", gen_length=16, block_length=8), unroll=True).unroll is True

@@ -75,6 +75,40 @@ def test_generate_json(env):
     assert last["tpf"] > 0 and last["tps"] >= 0
     if n < 32:
         assert last["finish_reason"] == "stop"
+    # each program's first use; "from_store": loaded from the executable store (nothing traced)
+    assert last["compiled"] and all(set(c) == {"what", "lower_seconds", "compile_seconds", "cache_hit", "from_store"}
+                                    for c in last["compiled"])
+
+
+def test_generate_loads_as_the_api_does(monkeypatch, capsys):
+    """generate reads config.json once, loads through polestar_jax.api.Model, and its JSON rows are the API's
+    rows (the same keys and values as ``load().generate`` on the same prompts)."""
+    import dataclasses
+
+    from polestar_jax import api
+    from polestar_jax.config import ModelConfig
+
+    reads, models = [], []
+    real_read, real_init = ModelConfig.from_json.__func__, api.Model.__init__
+    monkeypatch.setattr(ModelConfig, "from_json", classmethod(lambda cls, p: (reads.append(p), real_read(cls, p))[1]))
+    monkeypatch.setattr(api.Model, "__init__", lambda self, *a, **k: (models.append(self), real_init(self, *a, **k))[1])
+    prompts = ["copy: ann,bob,cal", "reverse: dan,eve"]
+    code, out, err = _main([*sum((["--prompt", p] for p in prompts), []), "--decoder", "llada", "--json"], capsys)
+    assert code == 0, err
+    assert len(reads) == 1 and len(models) == 1
+    rows = json.loads(out)["rows"]
+    assert {f.name for f in dataclasses.fields(api.Generation)} == set(rows[0])
+    want = models[0].generate(prompts, decoder="llada")
+    for row, g in zip(rows, want):
+        assert row == dict(g.to_dict(), tps=row["tps"])  # (tps: the job's own seconds)
+
+
+def test_json_compile_records_say_from_store():
+    from polestar_jax.engine.compile_cache import CompileRecord
+
+    loaded = gen_cli.compile_record_json(CompileRecord("block", 0.0, 0.3, True, True))
+    fresh = gen_cli.compile_record_json(CompileRecord("block", 1.2, 4.0, False))
+    assert (loaded["from_store"], fresh["from_store"]) == (True, False) and "stored" not in loaded
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +139,11 @@ def bad_folders(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(bundled_model_dir(), d)
     (d / "generation_config.json").write_text(json.dumps({"gen_length": "long", "block_length": 8}))
     out["bad_genconfig"] = d
+    d = root / "bad_shapes"  # a config.json whose shapes disagree (64 model dims over 3 heads)
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(config, d_model=64, n_heads=3, n_kv_heads=3)))
+    shutil.copy(TINY_A_DIR / "model.safetensors", d / "model.safetensors")
+    out["bad_shapes"] = d
     return out
 
 
@@ -119,6 +158,11 @@ BAD_INPUTS = {  # name -> (argv builder, expected message part)
     "prompt_too_long": (lambda f: ["--model", str(f["tiny_a_tok"]), "--no-chat", "--prompt", "x" * 600,
                                    "--gen-length", "32", "--block-length", "8"], "max_sequence_length"),
     "bad_generation_config": (lambda f: ["--model", str(f["bad_genconfig"]), "--prompt", "Hi"], "gen_length"),
+    # the message names the file, not the class that checked it
+    "inconsistent_config": (lambda f: ["--model", str(f["bad_shapes"]), "--prompt", "Hi"],
+                            "bad_shapes/config.json: d_model 64 is not divisible by n_heads 3"),
+    "inconsistent_config_dry_run": (lambda f: ["--model", str(f["bad_shapes"]), "--dry-run"],
+                                    "bad_shapes/config.json: d_model 64 is not divisible by n_heads 3"),
     "empty_prompt": (lambda f: ["--prompt", ""], "empty"),
     "blank_prompt": (lambda f: ["--prompt", "   "], "empty"),
     "no_prompt": (lambda f: [], "prompt"),
@@ -230,5 +274,8 @@ def test_polestar_flags_reach_the_config():
                                               "--kernels", "reference"])
     pc = gen_cli.decode_config_from_args(args).polestar
     assert (pc.refresh_buckets, pc.offload_hidden, pc.kernels) == (2, "int8", "reference")
-    assert gen_cli.decode_config_from_args(gen_cli.build_parser().parse_args(["--prompt", "Hi"])).polestar \
-        .refresh_buckets == 4
+    auto = gen_cli.decode_config_from_args(gen_cli.build_parser().parse_args(["--prompt", "Hi"])).polestar
+    # none: made concrete for the program's platform (a GPU's refresh step reads every weight anyway)
+    assert auto.refresh_buckets is None and auto.for_platform("cpu").refresh_buckets == 4
+    assert auto.for_platform("cuda").refresh_buckets == auto.for_platform("gpu").refresh_buckets == 1
+    assert pc.for_platform("gpu") is pc  # a number given is kept

@@ -113,7 +113,7 @@ def test_a_second_engine_loads_from_the_executable_store_without_tracing(bundled
     ids, dcfg = [tok.chat_prompt_ids(p) for p in PROMPTS[:2]], _own(40)
     first = Engine(params, cfg, tok)
     rec = first.precompile(dcfg, [(2, 48)])[0]
-    assert not rec.stored and rec.lower_seconds > 0 and len(os.listdir(store)) == 1
+    assert not rec.from_store and rec.lower_seconds > 0 and len(os.listdir(store)) == 1
     # an entry or a folder others may write is not read (unpickling runs code): one warning, a compile
     entry = os.path.join(store, os.listdir(store)[0])
     for path, loose in ((store, 0o777), (entry, 0o666)):
@@ -122,12 +122,12 @@ def test_a_second_engine_loads_from_the_executable_store_without_tracing(bundled
         with pytest.warns(UserWarning, match="not using the executable store"):
             executables._UNTRUSTED_WARNED.clear()
             rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0]
-        assert not rec.stored and rec.lower_seconds > 0
+        assert not rec.from_store and rec.lower_seconds > 0
         os.chmod(path, mode)
     traced, logged = _traced(monkeypatch), []
     second = Engine(params, cfg, tok, log=logged.append)
     rec = second.precompile(dcfg, [(2, 48)])[0]
-    assert traced == [] and rec.stored and rec.cache_hit and rec.lower_seconds == 0.0
+    assert traced == [] and rec.from_store and rec.cache_hit and rec.lower_seconds == 0.0
     assert logged[1].startswith("loaded the fastdllm block program for batch 2, prompt slot 48") and \
         "from the executable store" in logged[1]
     assert "1 of 1 program from the compilation cache, 1 of them from the executable store" in compile_summary([rec])
@@ -149,16 +149,16 @@ def test_the_store_misses_when_code_settings_or_shapes_change(bundled, store, mo
     monkeypatch.setattr(executables, "_code_fingerprint", lambda: "another version of the code")
     traced = _traced(monkeypatch)
     rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0]
-    assert not rec.stored and traced  # traced again; one of JAX's caches answers the compile (not stored)
+    assert not rec.from_store and traced  # traced again; one of JAX's caches answers the compile (not stored)
     rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 64)])[0]
-    assert not rec.stored and len(os.listdir(store)) == 2  # another shape: compiled and stored
+    assert not rec.from_store and len(os.listdir(store)) == 2  # another shape: compiled and stored
     for name in os.listdir(store):
         with open(os.path.join(store, name), "wb") as f:
             f.write(b"torn")
     jax.clear_caches()
     rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 64)])[0]
     # the torn entry read was dropped; the program came from JAX's persistent cache (not stored again)
-    assert not rec.stored and rec.cache_hit and len(os.listdir(store)) == 1
+    assert not rec.from_store and rec.cache_hit and len(os.listdir(store)) == 1
 
 
 def test_what_jax_caches_loaded_is_never_stored(bundled, tmp_path, monkeypatch):
@@ -172,7 +172,7 @@ def test_what_jax_caches_loaded_is_never_stored(bundled, tmp_path, monkeypatch):
     assert Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0].cache_hit  # loaded from it
     monkeypatch.setattr(executables, "store_folder", lambda: folder)
     rec = Engine(params, cfg, tok).precompile(dcfg, [(2, 48)])[0]  # JAX's in-memory cache answers
-    assert not rec.stored and not os.path.exists(folder)
+    assert not rec.from_store and not os.path.exists(folder)
 
 
 def test_a_later_process_runs_what_the_store_holds(subprocess_env, tmp_path):

@@ -71,3 +71,21 @@ def test_enum_fields_and_new_fields_render():
     assert "`none`, `prefix`, `dual`" in section
     assert "| `count` | `--n` (also `--count`) | `3` |" in section
     assert "| `plain` | (API / model_args only) | `'x'` |  | an API-only field |" in section
+
+
+def test_page_lists_every_flag_of_the_commands():
+    """Every flag of ``generate``, ``serve`` and ``eval`` is on the page: the decoding options in their
+    config's section, the others under Run options (--batch, --dry-run, --dtype, --max-tokens, ...)."""
+    mc = _script()
+    text = mc.render()
+    run = text.split("## Run options", 1)[1]
+    for module in mc.COMMANDS:
+        section = run.split(f"### `python -m {module}`", 1)[1].split("###", 1)[0]
+        for a in mc._parser_of(module)._actions:
+            if a.help == "==SUPPRESS==" or a.dest == "help" or not a.option_strings:
+                continue
+            assert any(f"`{o}`" in text for o in a.option_strings), (module, a.option_strings)
+            if not any(f"`{o}`" in text.split("## Run options", 1)[0] for o in a.option_strings):
+                assert f"`{a.option_strings[0]}`" in section, (module, a.option_strings)
+    for flag in ("--batch", "--batch-size", "--coordinator", "--dry-run", "--dtype", "--json", "--precompile"):
+        assert f"| `{flag}`" in run.split("### `python -m polestar_jax.serve`")[0], flag

@@ -76,7 +76,7 @@ def test_checkpoint_maps_qwen2_names(dream):
 
 
 def test_kv_cache_holds_the_kv_heads(dream):
-    from polestar_jax.decode.state import init_decode_state
+    from polestar_jax.decode.layout import init_decode_state
 
     cfg, _ = dream
     dc = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=32, block_length=16)
@@ -224,7 +224,7 @@ def test_structural_tie_goes_to_the_later_position():
 
 def test_full_pass_window_is_fixed_and_the_windowed_pass_keeps_2b_b(dream):
     from polestar_jax.decode.polestar.state import geometry
-    from polestar_jax.decode.state import init_decode_state
+    from polestar_jax.decode.layout import init_decode_state
 
     cfg, _ = dream
     dcfg = DecodeConfig(decoder="polestar", gen_length=64, block_length=16, threshold=0.9,

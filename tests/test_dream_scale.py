@@ -144,7 +144,7 @@ while not _os.path.exists(_os.path.join(_p, "engines.py")):
 _sys.path.insert(0, _p)
 from engines import generate  # noqa: E402
 from polestar_jax.models.family import FAMILIES
-from polestar_jax.decode.state import init_decode_state
+from polestar_jax.decode.layout import init_decode_state
 
 dream_dir, cfg7_path = sys.argv[1], sys.argv[2]
 out = {}
@@ -163,7 +163,7 @@ for m in (2, 4, 7, 8):
     row = {n: split(ps["blocks"][n]) for n in HEADS + ("w_gate", "w_down")}
     row.update(lm_head=split(ps["lm_head"]), wte=split(ps["wte"]))
     ss = sharding.state_shardings(state7, mesh)
-    row.update(k_cache=split(ss.k_cache), p_prev=split(ss.polestar.p_prev), s_prev=split(ss.polestar.s_prev))
+    row.update(k_cache=split(ss.k_cache), p_prev=split(ss.policy_state.p_prev), s_prev=split(ss.policy_state.s_prev))
     out["specs7b/model=%d" % m] = row
 
 # 2. tokens on the mesh against one device: the tiny Dream (4 query heads, 2 KV heads), Dream's samplers
@@ -407,7 +407,7 @@ def test_dream_polestar_block_exports_with_kernels(dream, platform, offload):
     store it lives in pinned host memory."""
     from polestar_jax import compat
     from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
-    from polestar_jax.decode.state import init_decode_state
+    from polestar_jax.decode.layout import init_decode_state
 
     cfg, params = dream
     dc = _polestar(offload_hidden=offload)

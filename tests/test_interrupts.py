@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from polestar_jax import cli
+from polestar_jax.engine import compile_cache
+from polestar_jax.io import files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMAND = [sys.executable, "-m", "polestar_jax.generate", "--prompt", "reverse: ann,bob,cal"]
@@ -63,15 +65,15 @@ def test_cache_writes_finish_before_an_interrupt_exits(monkeypatch, tmp_path):
     """A compilation-cache entry is written under the lock the interrupt handler takes before exiting."""
     from jax._src import lru_cache
 
-    cli.guard_compile_cache_writes()
-    cli.guard_compile_cache_writes()  # idempotent
+    compile_cache.guard_compile_cache_writes()
+    compile_cache.guard_compile_cache_writes()  # idempotent
     assert getattr(lru_cache.LRUCache.put, "_polestar_guarded", False)
     held = []
     cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
     real = cache._evict_if_needed  # called by put() just before it writes the entry
 
     def spy(**kw):
-        held.append(cli._WRITE_LOCK._is_owned())
+        held.append(files.WRITE_LOCK._is_owned())
         return real(**kw)
 
     monkeypatch.setattr(cache, "_evict_if_needed", spy)
@@ -82,12 +84,12 @@ def test_cache_writes_finish_before_an_interrupt_exits(monkeypatch, tmp_path):
 
 def test_atomic_write_replaces_whole_files(tmp_path):
     f = tmp_path / "out.json"
-    cli.atomic_write(str(f), "old")
-    cli.atomic_write(str(f), "new")
+    files.atomic_write(str(f), "old")
+    files.atomic_write(str(f), "new")
     assert f.read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left
     with pytest.raises(TypeError):
-        cli.atomic_write(str(f), 3)  # type: ignore[arg-type]
+        files.atomic_write(str(f), 3)  # type: ignore[arg-type]
     assert f.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 

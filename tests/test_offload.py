@@ -19,7 +19,7 @@ from polestar_jax.decode.polestar import state as PSt
 from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
 from engines import generate  # tests/engines.py
-from polestar_jax.decode.state import init_decode_state
+from polestar_jax.decode.layout import init_decode_state
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")
 MODES = ("none", "int8", "bf16")
@@ -76,10 +76,10 @@ def started(tiny_p):
 
 def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
     cfg, _ = tiny_p
-    exact = np.asarray(started["none"].polestar.hs)
+    exact = np.asarray(started["none"].policy_state.hs)
     assert np.abs(exact).max() > 0
     # (int8 here; bf16's encoding: test_encode_decode_roundtrip)
-    pol = started["int8"].polestar
+    pol = started["int8"].policy_state
     pc = PolestarConfig(offload_hidden="int8")
     assert pol.hs.dtype == OF.store_dtype(pc, jnp.float32)
     if OF.host_memory_available():
@@ -91,8 +91,8 @@ def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
     assert (np.abs(back - exact) <= tol * (1 + 1e-5) + 1e-12).all()
     # everything else of the block start is the exact pass (the store is only written there)
     for name in ("labels", "n_clusters", "counts"):
-        np.testing.assert_array_equal(getattr(started["int8"].polestar, name), getattr(started["none"].polestar, name))
-    assert started["none"].polestar.hs.sharding.memory_kind != OF.HOST_MEMORY_KIND or not OF.host_memory_available()
+        np.testing.assert_array_equal(getattr(started["int8"].policy_state, name), getattr(started["none"].policy_state, name))
+    assert started["none"].policy_state.hs.sharding.memory_kind != OF.HOST_MEMORY_KIND or not OF.host_memory_available()
 
 
 def test_refresh_patches_only_selected_rows(tiny_p, started):
@@ -112,11 +112,11 @@ def test_refresh_patches_only_selected_rows(tiny_p, started):
             return PSS.step_forward(p, s, geo, cfg, pc, BLOCK, True, rows, None)
 
         out = outs[mode] = jax.jit(f)(params, st)
-        old_q, new_q = np.asarray(st.polestar.hs), np.asarray(out.hs)
-        old_s, new_s = np.asarray(st.polestar.hs_scale), np.asarray(out.hs_scale)
+        old_q, new_q = np.asarray(st.policy_state.hs), np.asarray(out.hs)
+        old_s, new_s = np.asarray(st.policy_state.hs_scale), np.asarray(out.hs_scale)
         changed = (old_q != new_q).any(-1) | (old_s != new_s)  # [N, b, R]
         # expected patch of layer l: rows clustered at l whose layer-(l-1) cluster was selected
-        labels = np.asarray(st.polestar.labels)  # [N, b, R]
+        labels = np.asarray(st.policy_state.labels)  # [N, b, R]
         sel = np.asarray(out.selected)  # [N, b, K]
         picked = np.take_along_axis(sel, np.clip(labels, 0, sel.shape[-1] - 1), axis=2) & (labels >= 0)
         expected = np.zeros_like(changed)
@@ -134,9 +134,9 @@ def test_refresh_patches_only_selected_rows(tiny_p, started):
     # int8 result then lies within half a quantisation step of that reference (a patched row's error does
     # not compound through the layers it was recomputed through).
     int8 = PolestarConfig(offload_hidden="int8")
-    st8 = started["int8"].polestar
+    st8 = started["int8"].policy_state
     held = OF.decode(jnp.asarray(np.asarray(st8.hs)), jnp.asarray(np.asarray(st8.hs_scale)), int8, jnp.float32)
-    st_ref = started["none"].replace(polestar=started["none"].polestar.replace(hs=held))
+    st_ref = started["none"].replace(policy_state=started["none"].policy_state.replace(hs=held))
     pc0 = PolestarConfig(offload_hidden="none")
     cs = st_ref.x.shape[1] - GEN + BLOCK
     ref = jax.jit(lambda p, s: PSS.step_forward(p, s, PSt.geometry(s, jnp.int32(cs), BLOCK, pc0), cfg, pc0,

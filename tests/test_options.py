@@ -3,6 +3,8 @@ and Polestar honouring the temperature (issue #11, sections 2-3)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,31 @@ def test_dry_run_model_that_is_a_file(capsys):
     _one_error_line(code, out, err, "--prompt is not used by --dry-run")
 
 
+def test_dry_run_plans_the_stored_dtype(capsys):
+    """Without --dtype, --dry-run plans for the weights as a load without --dtype keeps them (the bundled
+    model: float32, its config.json's torch_dtype), as --help says; --dtype casts."""
+    import json
+
+    from polestar_jax.io.tokenizer import bundled_model_dir
+
+    folder = bundled_model_dir()
+    assert json.load(open(f"{folder}/config.json"))["torch_dtype"] == "float32"
+    n = 871_552  # tiny_tasks's parameters (its README)
+    base = ["--dry-run", "--decoder", "llada", "--json"]
+    for argv, dtype, width in (([], "float32 (config.json torch_dtype)", 4), (["--dtype", "bfloat16"],
+                                                                             "bfloat16 (--dtype)", 2)):
+        code, out, err = _main(base + argv, capsys)
+        assert code == 0, err
+        assert f"dtype={dtype}" in out.splitlines()[0]
+        assert json.loads(out.strip().splitlines()[-1])["param_bytes"] == width * n
+    assert "--dry-run plans for the torch_dtype config.json declares" in " ".join(
+        gen_cli.build_parser().format_help().split())
+    data = os.path.join(os.path.dirname(__file__), "data")
+    assert gen_cli.stored_dtype(os.path.join(data, "llada8b_config.json")) == (
+        "bfloat16", "assumed: config.json declares no torch_dtype")
+    assert gen_cli.stored_dtype(os.path.join(data, "dream7b_config.json"))[0] == "bfloat16"
+
+
 def test_crosscheck_file_instead_of_folder(capsys):
     from polestar_jax import crosscheck
 
@@ -137,7 +164,8 @@ def test_every_flag_reaches_its_field():
         argv += [cli.flag_of(PolestarConfig, name), v]
     pc = gen_cli.decode_config_from_args(parser.parse_args(argv)).polestar
     for name, v in values.items():
-        assert str(getattr(pc, name)) == str(type(getattr(PolestarConfig(), name))(v)), name
+        kind = int if name == "refresh_buckets" else type(getattr(PolestarConfig(), name))  # (its default: none)
+        assert str(getattr(pc, name)) == str(kind(v)), name
     assert gen_cli.decode_config_from_args(parser.parse_args(["--n-clusters", "5"])).polestar.n_clusters == 5
     pc = gen_cli.decode_config_from_args(parser.parse_args(["--no-refresh", "--no-suffix-commit"])).polestar
     assert (pc.refresh, pc.suffix_precommit) == (False, False)

@@ -37,7 +37,7 @@ from polestar_jax.decode.polestar import draws as DR
 from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
 from polestar_jax.decode.polestar.replay import build_replay
-from polestar_jax.decode.state import init_decode_state
+from polestar_jax.decode.layout import init_decode_state
 
 import drift_refs  # tests/drift_refs.py
 
@@ -198,7 +198,7 @@ def step_state(ctx):
     # the dump clusters exactly the refresh rows
     outside = np.setdiff1d(np.arange(L), pos)
     assert np.all(labels[:, outside] == -1)
-    pol = ctx.state.polestar.replace(
+    pol = ctx.state.policy_state.replace(
         hs=jnp.asarray(_dump_layers(z, "HS")[:, pos])[:, None],
         labels=jnp.asarray(labels[:, pos].astype(np.int32))[:, None],
         centroids=jnp.asarray(_dump_layers(z, "centroids"))[:, None],
@@ -207,7 +207,7 @@ def step_state(ctx):
         s_prev=jnp.asarray(_dump_layers(z, "S_prev_cluster_attn"))[:, None],
         p_prev=jnp.asarray(z["state.LLast.P_prev_token_attn_blockrows"])[None])
     return ctx.state.replace(
-        x=jnp.asarray(x[None]), nfe=jnp.ones((1,), jnp.int32), polestar=pol,
+        x=jnp.asarray(x[None]), nfe=jnp.ones((1,), jnp.int32), policy_state=pol,
         k_cache=jnp.asarray(_dump_layers(z, "K_unrotated"))[:, None],
         v_cache=jnp.asarray(_dump_layers(z, "V"))[:, None])
 
@@ -411,7 +411,7 @@ def test_drift_history_window():
 # ------------------------------------------------------------------------------------------ 4. refresh step
 def test_refresh_step(ctx, step_state, step):
     z, pos, o = ctx.z, ctx.ref_pos, step
-    pol = step_state.polestar
+    pol = step_state.policy_state
     print()
     for l in range(3):
         _close(f"L{l} K after", o.k[l, 0], z[f"step1.L{l}.K_unrotated_after"])
@@ -486,7 +486,7 @@ def test_refresh_capacity_never_truncates(ctx, step_state, mode):
     in the selected clusters; ``shared_invalid``: some rows unlabelled in every layer (rows outside the
     windows); ``per_layer_invalid``: unlabelled rows differ per layer."""
     rng = np.random.default_rng({"all_rows": 10, "shared_invalid": 11, "per_layer_invalid": 12}[mode])
-    pol = step_state.polestar
+    pol = step_state.policy_state
     r_rows = pol.labels.shape[-1]
     labels = rng.integers(0, 8, size=(3, 1, r_rows)).astype(np.int32)
     if mode == "all_rows":
@@ -499,7 +499,7 @@ def test_refresh_capacity_never_truncates(ctx, step_state, mode):
     for l in range(3):
         m = 1 if l == 2 else 4
         sel[l, 0, [0, 1, 2, 3] if (mode == "all_rows" and l == 0) else rng.choice(8, m, replace=False)] = True
-    st = step_state.replace(polestar=pol.replace(labels=jnp.asarray(labels)))
+    st = step_state.replace(policy_state=pol.replace(labels=jnp.asarray(labels)))
     o = jax.tree.map(np.asarray, _step_forward(ctx.params, st, ctx.geo, ctx.cfg, ctx.pc, B, True,
                                                jnp.ones((1,), bool), (jnp.asarray(sel), jnp.ones((3, 1), bool))))
     hs_in, k_in = np.asarray(pol.hs[:, 0]), np.asarray(step_state.k_cache[:, 0])

@@ -20,7 +20,7 @@ from polestar_jax.decode.polestar import compaction as RF
 from polestar_jax.io.checkpoint import load_model
 from polestar_jax.config import DecodeConfig, PolestarConfig
 from polestar_jax.errors import ConfigError
-from polestar_jax.decode.state import init_decode_state
+from polestar_jax.decode.layout import init_decode_state
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "polestar_tiny_p")
 GEN, BLOCK = 32, 8

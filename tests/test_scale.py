@@ -48,7 +48,7 @@ for row, (p, r) in enumerate(((a, 11), (b, 22))):  # rows of different lengths t
 sh = generate(params, cfg, [a, b], dc, seed=7, rows=[11, 22], prompt_slot=16, mesh=mesh)
 out["polestar/dual mesh = one device"] = all(same(both, r, sh, r) for r in (0, 1))
 # the initial state is built on its shards (K/V cache over data x model), equal to the one-device state
-from polestar_jax.decode.state import init_decode_state
+from polestar_jax.decode.layout import init_decode_state
 st = init_decode_state(cfg, dc, [a, b], 16, seed=7, rows=[11, 22], mesh=mesh)
 ref = init_decode_state(cfg, dc, [a, b], 16, seed=7, rows=[11, 22])
 leaves, want = jax.tree.leaves(st), jax.tree.leaves(sharding.state_shardings(ref, mesh))

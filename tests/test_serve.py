@@ -104,6 +104,23 @@ def test_chat_stream_and_completions_equal_the_prompt_alone(client, model):
     assert "".join(x.choices[0].text for x in s if x.choices) == c.choices[0].text
 
 
+def test_completions_example_of_the_serving_page(server, model):
+    """docs/serving.md's completions example (the chat template's rendering as the prompt) answers; the
+    plain prompt it warns about gets the empty answer the page describes; the bundled folder gets the note."""
+    from pathlib import Path
+
+    from polestar_jax.serve import test_bed_note
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    section = page.split("## Completions on a chat model", 1)[1]
+    body = json.loads(re.search(r"-d '(\{.*?\})'", section).group(1))
+    r = httpx.post(server[0] + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "pat,leo,kat,jan"
+    plain = httpx.post(server[0] + "/v1/completions", json=dict(body, prompt="reverse: jan,kat,leo,pat"), timeout=120)
+    assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == ""
+    assert "test bed" in test_bed_note(model.path) and test_bed_note(str(Path(__file__).parent)) is None
+
+
 def test_max_tokens_seed_and_stop(client, model):
     ids = model.prompt_ids("copy: jan,kat,leo,pat,rex")
     # max_tokens 5: decoded as gen length 8 (one block; the answer of a region of 8), cut at 5 ids
@@ -221,6 +238,22 @@ def test_disconnect_frees_the_row_and_metrics(server, client):
         assert name in m, name
     assert re.search(r'polestar_requests_total\{outcome="ok"\} [1-9]', m)
     assert re.search(r'polestar_requests_total\{outcome="bad_request"\} [1-9]', m)
+
+
+def test_the_scheduler_builds_one_running_batch(model, monkeypatch):
+    """At start the server's scheduler builds its one running batch (which compiles its programs), not a
+    throw-away batch to compile and then another; its compile records are that batch's."""
+    from polestar_jax.engine import engine as engine_mod
+    from polestar_jax.serving.scheduler import Scheduler
+
+    built = []
+    real = engine_mod.RunningBatch.__init__
+    monkeypatch.setattr(engine_mod.RunningBatch, "__init__", lambda self, *a, **k: (built.append(self),
+                                                                                    real(self, *a, **k))[1])
+    dcfg = model.decode_config(decoder="fastdllm", gen_length=32)
+    sched = Scheduler(model.engine, dcfg, max_batch=4, prompt_slot=64, compact_rows=2)
+    assert built == [sched.batch] and sched.batch.spec.compact_rows == 2
+    assert all(r in model.engine.compile_records for r in sched.compiled)
 
 
 def test_full_queue_is_429_with_retry_after(model):
@@ -346,6 +379,11 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server, model):
     (["--batch-wait", "1.5"], "--batch-wait must be in [0, 1]"),
     (["--decoder", "fastdllm", "--no-refresh"], "--no-refresh applies to decoder polestar only"),  # (as given)
     (["--api-key", " "], "--api-key must be a non-empty word"),
+    # a gen length past the model's length is --max-tokens's fault, not a flag the user never passed
+    (["--max-tokens", "300"], "--max-tokens 300 decodes 304 tokens (whole blocks of 8), which leaves no room for "
+                              "a prompt in the model's max_sequence_length 256"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1, got 0"),
+    (["--max-tokens", "128", "--max-prompt-tokens", "129"], "--max-prompt-tokens 129 + gen length 128 exceeds"),
 ])
 def test_bad_server_options_are_one_line(argv, part, capsys):
     """A bad server option: exit 2 with one error line naming the flag as given (before anything compiles)."""

@@ -4,6 +4,8 @@
   lines, from its ``def`` line to its last line;
 * no private name used across modules in ``polestar_jax/`` or ``kernels/`` (installed as
   ``polestar_jax.kernels``): neither ``from polestar_jax.x import _y`` nor ``x._y`` on an imported module;
+* each module imports only its own folder, the core modules and folders of lower layers
+  (:data:`LAYERS`: models, kernels, io < decode < engine < serving < the faces at the top);
 * no module of ours imported under a one-to-three-letter capitalised alias (``M``, ``R``, ``Dr``, ``OF``,
   ``PSt``, ...: the PyTorch code's habit; ``R`` was the commit module where R means window rows): a module
   is imported under its own name, or its functions are imported by name.
@@ -251,7 +253,7 @@ def test_no_import_cycles():
     """No two package modules import each other, directly or through others (imports inside functions
     count: a cycle hidden in a function is still a cycle)."""
     graph = import_graph()
-    assert graph["polestar_jax.decode.block"] >= {"polestar_jax.decode.samplers", "polestar_jax.decode.polestar.policy"}  # the graph is real
+    assert graph["polestar_jax.decode.polestar.policy"] >= {"polestar_jax.decode.policy", "polestar_jax.decode.state"}  # the graph is real
     assert import_cycles(graph) == []
 
 
@@ -261,3 +263,58 @@ def test_cycle_finder_finds_cycles(tmp_path):
         (tmp_path / f"{name}.py").write_text(body)
     mods = {f"pkg.{n}": tmp_path / f"{n}.py" for n in "abcd"}
     assert import_cycles(import_graph(mods)) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+#: The package's layers, lowest first: a module imports its own folder, the core modules and lower layers
+#: only. Folders of one layer do not import each other. ``faces`` are the top-level modules that are not core
+#: (the commands and the Python API) and ``polestar_jax.convert``.
+LAYERS = {"models": 1, "kernels": 1, "io": 1, "decode": 2, "engine": 3, "serving": 4, "faces": 5}
+#: Top-level modules every layer may import; they import only each other.
+CORE = {"config", "errors", "compat", "axes", "sharding", "registry"}
+
+
+def layer_of(module: str) -> str:
+    """The layer (a key of :data:`LAYERS`) or ``"core"`` of a package module name."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "core"  # polestar_jax/__init__.py: re-exports core names, loaded on first use
+    if parts[1] in LAYERS:
+        return parts[1]
+    if parts[1] == "convert":
+        return "faces"
+    return "core" if parts[1] in CORE else "faces"
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b (layer -> layer)"`` for every import of ``graph`` that breaks the layer rule."""
+    out = []
+    for here, deps in graph.items():
+        mine = layer_of(here)
+        for dep in sorted(deps):
+            theirs = layer_of(dep)
+            if theirs == mine and mine != "faces" or theirs == "core" or mine == "faces":
+                continue
+            if mine == "core" or LAYERS[theirs] >= LAYERS[mine]:
+                out.append(f"{here} -> {dep} ({mine} -> {theirs})")
+    return out
+
+
+def test_layers_import_only_downwards():
+    """models, kernels, io < decode < engine < serving < faces: no folder imports a folder above it or beside
+    it, and the core modules import only each other (so the engine, say, needs nothing of the CLI)."""
+    graph = import_graph()
+    assert {layer_of(m) for m in graph} == {"core", *LAYERS}  # every layer has modules: the rule is real
+    assert layer_violations(graph) == []
+
+
+def test_layer_rule_flags_upward_imports():
+    graph = {"polestar_jax.engine.engine": {"polestar_jax.cli", "polestar_jax.decode.block", "polestar_jax.config"},
+             "polestar_jax.models.llada": {"polestar_jax.io.checkpoint", "polestar_jax.kernels.refresh"},
+             "polestar_jax.config": {"polestar_jax.models.family"},
+             "polestar_jax.serving.app": {"polestar_jax.serving.scheduler", "polestar_jax.engine.engine"},
+             "polestar_jax.generate": {"polestar_jax.serving.app", "polestar_jax.api"}}
+    assert layer_violations(graph) == [
+        "polestar_jax.engine.engine -> polestar_jax.cli (engine -> faces)",
+        "polestar_jax.models.llada -> polestar_jax.io.checkpoint (models -> io)",
+        "polestar_jax.models.llada -> polestar_jax.kernels.refresh (models -> kernels)",
+        "polestar_jax.config -> polestar_jax.models.family (core -> models)"]

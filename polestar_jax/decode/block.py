@@ -17,22 +17,16 @@ per-block NFE. The policies live in :mod:`polestar_jax.decode.samplers` (LLaDA, 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax.decode import samplers  # noqa: F401 (registers the llada and fastdllm policies)
-from polestar_jax.decode.polestar import offload
-from polestar_jax.decode.polestar import policy as polestar  # noqa: F401 (registers the polestar policy)
 from polestar_jax.decode.policy import (POLICIES, BlockCtx, EngineSpec, Knobs, Policy,  # noqa: F401 (re-exported)
                                         block_start_position, context, live_rows, write_commits)
 from polestar_jax.decode.rows import ROWS, batch_any
 from polestar_jax.decode.state import DecodeState, axes_of, select_rows
-
-assert {"llada", "fastdllm", "polestar"} <= set(POLICIES), "the built-in policies register on import"
-
 
 def policy_for(decoder: str) -> Policy:
     """The :class:`Policy` registered for ``decoder`` (:func:`~polestar_jax.decode.policy.register_policy`);
@@ -76,11 +70,9 @@ def row_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec
         block_nfe = state.block_nfe.at[:, ctx.block_idx].set(state.nfe - nfe_before, mode="drop")
         return state.replace(block_nfe=block_nfe), stats
 
-    def skip(s):  # no live row: the state as it is (Polestar's store where the decode keeps it: host memory)
-        if s.polestar is not None and spec.polestar is not None:
-            pol = s.polestar
-            s = s.replace(polestar=pol.replace(hs=offload.to_host(pol.hs, spec.polestar),
-                                               hs_scale=offload.to_host(pol.hs_scale, spec.polestar)))
+    def skip(s):  # no live row: the state as it is (the policy's part where it lives between blocks)
+        if s.policy_state is not None and policy.own is not None:
+            s = s.replace(policy_state=policy.own.at_rest(s.policy_state, spec))
         return s, policy.empty_stats(ctx, bound)
 
     new, stats = lax.cond(batch_any(live), run, skip, state)
@@ -100,13 +92,19 @@ def _end_block(spec: EngineSpec, cs, live, new: DecodeState, old: DecodeState) -
     return new.replace(block=old.block + live.astype(jnp.int32), stop=stop)
 
 
-def compact_width(batch: int, spec: EngineSpec, sharded: bool = False) -> int:
+#: Platform names of GPU programs (``jax.Device.platform``, ``jax.default_backend()``).
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def compact_width(batch: int, spec: EngineSpec, sharded: bool = False, platform: Optional[str] = None) -> int:
     """The step chunk of a running batch of ``batch`` rows (:attr:`EngineSpec.compact_rows`): an eighth of
     the batch, at least 8 rows (a chunk's forward stays wide enough to keep an accelerator's matmul units
     busy), from 16 rows up; 0 (off) for smaller batches, for a batch sharded over devices (gathering rows
-    would move them between devices) and for an offloaded Polestar store (it lives in host memory, where
-    rows are not gathered)."""
-    if batch < 16 or sharded or (spec.polestar is not None and spec.polestar.offload_hidden != "none"):
+    would move them between devices) and for a policy whose state cannot be gathered (Polestar's store
+    offloaded to host memory: :attr:`PolicyState.compactable`), and on a GPU (``platform``): there a step
+    is bound by its weight reads, and every chunk would read all the weights again."""
+    own = policy_for(spec.decoder).own
+    if batch < 16 or sharded or platform in GPU_PLATFORMS or (own is not None and not own.compactable(spec)):
         return 0
     return max(8, batch // 8)
 
@@ -230,20 +228,26 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     return _merge_rows(out, st_axes, b), stats
 
 
-def _split_rows(tree, axes_tree, b: int, pc=None):
-    """Every leaf's batch axis ``ax`` split into (b, 1), so a per-row function sees a batch of one. (Leaves
-    declared ``select=False``, Polestar's store, are reshaped where they live: host memory when offloaded.)"""
-    def split(a, ax):
-        return offload.reshape(a, a.shape[:ax.batch] + (b, 1) + a.shape[ax.batch + 1:], None if ax.select else pc)
+def _reshape_rows(tree, axes_tree, shape_of, spec: Optional[EngineSpec] = None):
+    """Every leaf reshaped to ``shape_of(leaf, ax)``; the leaves of a policy's own state that it keeps apart
+    (declared ``select=False``: Polestar's store, which may live in host memory) through the policy's
+    ``reshape`` hook, where they live (``spec``: None for a tree that holds no policy state, a replay)."""
+    own = None if spec is None else policy_for(spec.decoder).own
+    plain = lambda a, ax: a.reshape(shape_of(a, ax))
+    if own is None or not isinstance(tree, DecodeState) or tree.policy_state is None:
+        return jax.tree.map(plain, tree, axes_tree)
+    kept = lambda a, ax: plain(a, ax) if ax.select else own.reshape(a, shape_of(a, ax), spec)
+    out = jax.tree.map(plain, tree.replace(policy_state=None), axes_tree.replace(policy_state=None))
+    return out.replace(policy_state=jax.tree.map(kept, tree.policy_state, axes_tree.policy_state))
 
-    return jax.tree.map(split, tree, axes_tree)
+
+def _split_rows(tree, axes_tree, b: int, spec: Optional[EngineSpec] = None):
+    """Every leaf's batch axis ``ax`` split into (b, 1), so a per-row function sees a batch of one."""
+    return _reshape_rows(tree, axes_tree, lambda a, ax: a.shape[:ax.batch] + (b, 1) + a.shape[ax.batch + 1:], spec)
 
 
-def _merge_rows(tree, axes_tree, b: int, pc=None):
-    def merge(a, ax):
-        return offload.reshape(a, a.shape[:ax.batch] + (b,) + a.shape[ax.batch + 2:], None if ax.select else pc)
-
-    return jax.tree.map(merge, tree, axes_tree)
+def _merge_rows(tree, axes_tree, b: int, spec: Optional[EngineSpec] = None):
+    return _reshape_rows(tree, axes_tree, lambda a, ax: a.shape[:ax.batch] + (b,) + a.shape[ax.batch + 2:], spec)
 
 
 def decode_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec):
@@ -270,10 +274,8 @@ def decode_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineS
                None if replay is None else jax.tree.map(lambda ax: ax.batch, rp_axes))
     out_st, stats = jax.vmap(one, in_axes=(in_axes[0], in_axes[1], in_axes[2]),
                              out_axes=(in_axes[0], 1), axis_name=ROWS)(
-        _split_rows(state, st_axes, b, spec.polestar), knobs,
+        _split_rows(state, st_axes, b, spec), knobs,
         None if replay is None else _split_rows(replay, rp_axes, b))
     stats = None if stats is None else jax.tree.map(lambda a: a.reshape(a.shape[:1] + (b,) + a.shape[3:]), stats)
-    return _merge_rows(out_st, st_axes, b, spec.polestar), stats
+    return _merge_rows(out_st, st_axes, b, spec), stats
 
-
-run_block_jit = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",))

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
-from polestar_jax.decode.state import DecodeState
+from polestar_jax.config import DecodeConfig, ModelConfig
+from polestar_jax.decode.state import DecodeState, PolicyState
 from polestar_jax.registry import Registry
 
 
@@ -34,7 +34,7 @@ class EngineSpec:
     stochastic: bool  # temperature > 0
     random_remask: bool
     step_after_full_pass: bool = True
-    polestar: Optional[PolestarConfig] = None  # set for decoder "polestar"
+    own_config: Any = None  # the settings of the policy's own state (PolicyState.config_of: Polestar's PolestarConfig)
     unroll: int | bool = 1
     start_commit: str = "rule"  # DecodeConfig.start_commit
     schedule: str = "even"  # DecodeConfig.schedule (fixed rule)
@@ -48,14 +48,16 @@ class EngineSpec:
 
     @classmethod
     def from_config(cls, mcfg: ModelConfig, dcfg: DecodeConfig, unroll: int | bool = 1,
-                    stop_ids: tuple = ()) -> "EngineSpec":
-        """``stop_ids``: the family's stop tokens; they end a row early when ``dcfg.early_exit``."""
+                    stop_ids: tuple = (), platform: Optional[str] = None) -> "EngineSpec":
+        """``stop_ids``: the family's stop tokens; they end a row early when ``dcfg.early_exit``.
+        ``platform``: what the program is compiled for (the policy's settings may depend on it)."""
         return cls(model=mcfg, decoder=dcfg.decoder, cache=dcfg.cache, rule=dcfg.rule,
                    gen_length=dcfg.gen_length, block_length=dcfg.block_length,
                    steps_per_block=dcfg.steps_per_block, stochastic=dcfg.temperature > 0,
                    random_remask=dcfg.remasking == "random",
                    step_after_full_pass=dcfg.step_after_full_pass,
-                   polestar=dcfg.polestar if dcfg.decoder == "polestar" else None, unroll=unroll,
+                   own_config=None if (own := POLICIES[dcfg.decoder].own) is None else own.config_of(dcfg, platform),
+                   unroll=unroll,
                    start_commit=str(dcfg.start_commit), schedule=str(dcfg.schedule), rank_by=str(dcfg.rank_by),
                    schedule_eps=float(dcfg.schedule_eps),
                    stop_ids=tuple(sorted(int(t) for t in stop_ids)) if dcfg.early_exit else ())
@@ -111,11 +113,14 @@ class Policy(NamedTuple):
     step: Callable[[BlockCtx, DecodeState, jax.Array, jax.Array], tuple[DecodeState, Any]]
     bound: Callable[[BlockCtx], int]
     empty_stats: Callable[[BlockCtx, int], Any]
+    #: the hooks of the policy's own part of the decode state (``DecodeState.policy_state``); None: it keeps none
+    own: Optional[PolicyState] = None
 
 
 #: ``DecodeConfig.decoder`` -> its :class:`Policy` (:func:`register_policy` adds one; the block program
 #: looks the decoder up here).
-POLICIES: Registry[Policy] = Registry("decoder")
+POLICIES: Registry[Policy] = Registry("decoder", builtins=("polestar_jax.decode.samplers",
+                                                            "polestar_jax.decode.polestar.policy"))
 
 
 def register_policy(name: str, policy: Policy) -> Policy:

@@ -12,7 +12,7 @@ knows where a field's batch axis is.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import flax.struct
 import jax
@@ -38,8 +38,8 @@ class DecodeState:
     n_blocks     [b]    int32   the row's number of blocks (its generation length / block length; 0: a free slot).
     stop         [b]    bool    the row ended early: a finished block held one of the stop tokens (early exit).
     k_cache, v_cache  [N, b, KV, L, hd] or None: un-rotated K/V of the last full pass / step.
-    polestar     Polestar's clusters, hidden states and drift state
-                 (:class:`polestar_jax.decode.polestar.state.PolestarState`, decoder "polestar"), else None.
+    policy_state the decoding policy's own part (:class:`PolicyState` hooks build and place it; Polestar's
+                 clusters, hidden-state store and drift state), or None for a policy that keeps none.
     """
 
     x: jax.Array = axes()
@@ -52,9 +52,40 @@ class DecodeState:
     block: jax.Array = axes()
     n_blocks: jax.Array = axes()
     stop: jax.Array = axes()
-    k_cache: Optional[jax.Array] = axes((None, "data", "model"), default=None)
-    v_cache: Optional[jax.Array] = axes((None, "data", "model"), default=None)
-    polestar: Optional[Any] = flax.struct.field(default=None)
+    # (select=False: a step writes K/V only for its active rows, so a finished row's cache is never copied
+    # whole to keep it; a row that is not live is never read again before a full pass rewrites its cache)
+    k_cache: Optional[jax.Array] = axes((None, "data", "model"), select=False, default=None)
+    v_cache: Optional[jax.Array] = axes((None, "data", "model"), select=False, default=None)
+    policy_state: Optional[Any] = flax.struct.field(default=None)
+
+
+class PolicyState(NamedTuple):
+    """The hooks through which a policy keeps its own part of the decode state (``DecodeState.policy_state``):
+    the generic state, the block program, the engine and the memory plan call these and name no policy.
+    ``config`` is the policy's part of the decode configuration (hashable; e.g. a ``PolestarConfig``).
+
+    config_of(dcfg, platform) -> config   the policy's settings in a ``DecodeConfig``, for programs compiled
+                                          for ``platform`` (None: the default backend's)
+    init(layout, b, length) -> part       the empty part for ``b`` rows of ``length`` (traceable)
+    place(part, config, abstract) -> part outside jit: the part moved where it lives (host memory, say);
+                                          ``abstract``: the same for ``jax.ShapeDtypeStruct`` leaves
+    at_rest(part, spec) -> part           inside a program: the part where it lives between blocks
+    reshape(leaf, shape, spec) -> leaf    inside a program: a leaf declared ``select=False`` reshaped where it lives
+    compactable(spec) -> bool             rows of the part may be gathered into a smaller batch (device memory)
+    stats(part) -> {name: [b, ...]}       the per-row statistics the engine reports
+    memory(part, batch, config) -> dict   per-sequence bytes for the memory plan: ``stored`` (a store that may
+                                          live in host memory), ``other``, ``stored_memory`` (its memory kind) and
+                                          ``transient`` (device bytes the store needs while a layer runs)
+    """
+
+    config_of: Callable[..., Any]
+    init: Callable[..., Any]
+    place: Callable[[Any, Any, bool], Any]
+    at_rest: Callable[[Any, Any], Any]
+    reshape: Callable[[jax.Array, tuple, Any], jax.Array]
+    compactable: Callable[[Any], bool]
+    stats: Callable[[Any], dict]
+    memory: Callable[[Any, int, Any], dict]
 
 
 # ---------------------------------------------------------------------------------------- building
@@ -76,12 +107,6 @@ def row_key_data(seed: int, row: int) -> np.ndarray:
     return np.asarray([int(seed), int(row)], np.uint32)
 
 
-def padded_length(lengths: Sequence[int], multiple: int) -> int:
-    """Prompt slot length: the longest prompt rounded up to ``multiple`` (bucketing avoids recompiles)."""
-    longest = max(lengths)
-    return -(-longest // multiple) * multiple
-
-
 class PromptFields(NamedTuple):
     """The prompt-dependent fields of a state, as host arrays (everything else starts as zeros)."""
 
@@ -100,7 +125,8 @@ class StateLayout(NamedTuple):
     cache: bool  # K/V cache fields
     dtype: Any  # model dtype (numpy dtype)
     block_length: int = 0
-    polestar: Optional[Any] = None  # a PolestarConfig: Polestar's state too
+    own: Optional[PolicyState] = None  # the policy's hooks, when it keeps a state of its own
+    own_config: Any = None  # their config (PolicyState.config_of)
 
 
 def prompt_fields(prompts: Sequence[Sequence[int]], cfg: ModelConfig, gen_length: int, prompt_slot: int,
@@ -144,28 +170,9 @@ def build_state(fields: PromptFields, layout: StateLayout) -> DecodeState:
         block_nfe=jnp.zeros((b, layout.num_blocks), jnp.int32), block=jnp.zeros((b,), jnp.int32),
         n_blocks=jnp.asarray(fields.n_blocks), stop=jnp.zeros((b,), bool), k_cache=k_cache, v_cache=v_cache,
     )
-    if layout.polestar is not None:
-        from polestar_jax.decode.polestar.state import init_polestar_state
-
-        state = state.replace(polestar=init_polestar_state(layout.model, layout.polestar, b, length,
-                                                           layout.block_length, layout.num_blocks, layout.dtype))
+    if layout.own is not None:
+        state = state.replace(policy_state=layout.own.init(layout, b, length))
     return state
-
-
-def init_state(
-    prompts: Sequence[Sequence[int]],
-    cfg: ModelConfig,
-    gen_length: int,
-    prompt_slot: int,
-    num_blocks: int,
-    seeds: Sequence,  # per row: key data [2] (row_key_data) or an int seed (jax.random.PRNGKey(seed))
-    cache: bool,
-    dtype=jnp.float32,
-) -> DecodeState:
-    """The common part of the state: prompts left-padded into ``prompt_slot`` slots, ``gen_length`` masks
-    after, and (``cache``) an empty K/V cache. Use :func:`init_decode_state` for a whole decoder state."""
-    return build_state(prompt_fields(prompts, cfg, gen_length, prompt_slot, seeds, gen_length // num_blocks),
-                       StateLayout(cfg, num_blocks, cache, np.dtype(dtype)))
 
 
 def build_sharded(fields: PromptFields, layout: StateLayout, mesh, builders: Optional[dict] = None) -> DecodeState:
@@ -188,46 +195,3 @@ def build_sharded(fields: PromptFields, layout: StateLayout, mesh, builders: Opt
         builders[key] = built
     fn, field_shardings = builders[key]
     return fn(shard(fields, field_shardings), layout)
-
-
-def init_decode_state(
-    mcfg: ModelConfig,
-    dcfg: DecodeConfig,
-    prompts: Sequence[Sequence[int]],
-    prompt_slot: int,
-    seed: int = 0,
-    rows: Optional[Sequence[int]] = None,
-    dtype=jnp.float32,
-    abstract: bool = False,
-    mesh=None,
-    gen_lengths: Optional[Sequence[int]] = None,
-    builders: Optional[dict] = None,
-) -> DecodeState:
-    """The whole decode state of ``dcfg``'s decoder for ``prompts``: the common part, the decoder's own
-    state (Polestar's clusters, store and drift state), and the Polestar store placed where
-    ``PolestarConfig.offload_hidden`` says (host memory). ``abstract=True`` returns ``jax.ShapeDtypeStruct``
-    leaves only (memory planning, ahead-of-time compiles). ``mesh`` (a ``jax.sharding.Mesh``): the state is
-    built already sharded over it (:func:`build_sharded`, its builder kept in ``builders`` when given). The engine, the memory planner and every bench
-    build states here."""
-    rows = list(range(len(prompts))) if rows is None else list(rows)
-    fields = prompt_fields(prompts, mcfg, dcfg.gen_length, prompt_slot, [row_key_data(seed, r) for r in rows],
-                           dcfg.block_length, gen_lengths)
-    polestar = dcfg.decoder == "polestar"
-    layout = StateLayout(mcfg, dcfg.num_blocks, dcfg.cache != "none", np.dtype(dtype), dcfg.block_length,
-                         dcfg.polestar if polestar else None)
-    offload = polestar and dcfg.polestar.offload_hidden != "none"
-    if abstract:
-        state = jax.eval_shape(functools.partial(build_state, layout=layout), fields)
-        if offload:
-            from polestar_jax.decode.polestar.offload import abstract_store
-
-            state = state.replace(polestar=state.polestar.replace(
-                **dict(zip(("hs", "hs_scale"), abstract_store(state.polestar.hs, state.polestar.hs_scale)))))
-        return state
-    state = build_state(fields, layout) if mesh is None else build_sharded(fields, layout, mesh, builders)
-    if offload:
-        from polestar_jax.decode.polestar.offload import place_store
-
-        hs, hs_scale = place_store(state.polestar.hs, state.polestar.hs_scale, dcfg.polestar)
-        state = state.replace(polestar=state.polestar.replace(hs=hs, hs_scale=hs_scale))
-    return state

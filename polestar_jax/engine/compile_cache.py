@@ -12,6 +12,9 @@ import os
 import threading
 from typing import Optional
 
+from polestar_jax import compat
+from polestar_jax.io.files import writing
+
 __all__ = ["enable_compile_cache", "cache_folder", "cache_hits", "CompileRecord", "compile_summary"]
 
 OFF = "off"
@@ -30,8 +33,6 @@ def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
     shapes skips compilation. Returns the folder used, or None."""
     import jax
 
-    from polestar_jax import cli
-
     path = cache_folder(path)
     if path is None:
         return None
@@ -39,10 +40,24 @@ def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        cli.guard_compile_cache_writes()
+        guard_compile_cache_writes()
     except OSError:
         return None
     return path
+
+
+def guard_compile_cache_writes() -> None:
+    """Makes JAX's persistent compilation cache entries complete or absent after an interrupt.
+
+    JAX writes a cache entry with one ``write_bytes`` call; the entry's write is wrapped in
+    :func:`writing` (the interrupt handler waits for it). A no-op where JAX's cache class is not found."""
+    def wrap(put):
+        def guarded_put(self, key, value):
+            with writing():
+                return put(self, key, value)
+        return guarded_put
+
+    compat.wrap_compile_cache_put(wrap)
 
 
 _HITS = threading.local()
@@ -72,13 +87,13 @@ def cache_hits() -> int:
 class CompileRecord:
     """One program's first use: ``lower_seconds`` tracing and lowering it (JAX; paid even on a persistent-cache
     hit), ``compile_seconds`` XLA compiling it or, with ``cache_hit``, loading it from the persistent cache or
-    (``stored``) from the executable store, which needs no tracing (:mod:`polestar_jax.engine.executables`)."""
+    (``from_store``) from the executable store, which needs no tracing (:mod:`polestar_jax.engine.executables`)."""
 
     what: str
     lower_seconds: float
     compile_seconds: float
     cache_hit: bool
-    stored: bool = False  # loaded from the executable store (polestar_jax.engine.executables): nothing traced
+    from_store: bool = False  # loaded from the executable store (polestar_jax.engine.executables): nothing traced
 
     @property
     def seconds(self) -> float:
@@ -86,7 +101,7 @@ class CompileRecord:
 
     def line(self) -> str:
         """The progress line printed after it."""
-        if self.stored:
+        if self.from_store:
             return f"loaded {self.what} from the executable store in {self.seconds:.2f}s (nothing traced)"
         if self.cache_hit:
             return (f"loaded {self.what} from the compilation cache in {self.seconds:.2f}s "
@@ -102,7 +117,7 @@ def compile_summary(records) -> str:
         return ""
     low = sum(r.lower_seconds for r in records)
     hits = sum(r.cache_hit for r in records)
-    stored = sum(r.stored for r in records)
+    stored = sum(r.from_store for r in records)
     return (f" (tracing and lowering {low:.2f}s; {hits} of {len(records)} program{'s' if len(records) > 1 else ''}"
             f" from the compilation cache" + (f", {stored} of them from the executable store" if stored else "")
             + ")")

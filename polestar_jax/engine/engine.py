@@ -32,138 +32,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax.engine import executables
+from polestar_jax.engine import executables, snapshot
 from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block
 from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
-from polestar_jax.decode.polestar.state import STAT_FIELDS
 from polestar_jax.sharding import to_host
-from polestar_jax.decode.state import (DecodeState, PromptFields, StateLayout, axes_of, build_state, init_decode_state,
-                                       prompt_fields, row_key_data)
+from polestar_jax.decode.layout import init_decode_state, own_state, state_layout
+from polestar_jax.engine.results import (Completion, GenerateResult, JobResult, RowOutput,  # noqa: F401 (re-exported)
+                                        polestar_stats)
+from polestar_jax.decode.state import DecodeState, PromptFields, StateLayout, axes_of, build_state, prompt_fields, row_key_data
 
 #: Prompt slots are multiples of this many tokens (the default bucketing; see :meth:`Engine.prompt_slot`).
 PAD_MULTIPLE = 16
 
 
-@dataclasses.dataclass
-class GenerateResult:
-    """Output of :meth:`Engine.run` for a fixed batch of b prompts.
-
-    tokens       [b, G] int   generated tokens (the block region, after the prompt); blocks a row never
-                              decoded (early exit) hold the mask id.
-    commit_step  [b, G] int   which forward of the row committed each token (-1: never).
-    nfe          [b]    int   forwards per row.
-    block_nfe    [b, n_blocks] int  forwards per row and block.
-    blocks       [b]    int   blocks each row decoded (all of them unless it stopped early).
-    seconds      float        wall time of the decode loop (first dispatch to results on the host),
-                              compile excluded; ``compile_seconds``: time spent compiling for this call.
-    """
-
-    tokens: np.ndarray
-    commit_step: np.ndarray
-    nfe: np.ndarray
-    block_nfe: np.ndarray
-    seconds: float
-    compile_seconds: float = 0.0
-    dispatch_seconds: float = 0.0  # host time spent enqueueing the blocks (the rest of `seconds` is device work)
-    polestar: Optional[dict] = None  # decoder "polestar": per-row stats arrays (polestar_state.STAT_FIELDS)
-    steps: Optional[list] = None  # decoder "polestar": per block, the StepOut buffer (numpy)
-    blocks: Optional[np.ndarray] = None
-
-    def block_stats(self, row: int) -> list[dict]:
-        """Per processed block: ``block_id``, ``block_nfe`` and (Polestar) the full pass, windowed pass and
-        refresh steps of the block, under the names of the PyTorch code's ``block_stats`` (``block0_true``,
-        ``efficient_true``, ``cluster_true``: the golden format)."""
-        out = []
-        n_blocks = self.block_nfe.shape[1] if self.blocks is None else int(self.blocks[row])
-        for blk in range(n_blocks):
-            if self.polestar is not None:
-                if not self.polestar["processed"][row, blk]:
-                    continue
-                out.append({"block_id": blk, "block_nfe": int(self.block_nfe[row, blk]),
-                            "block0_true": int(self.polestar["full_pass"][row, blk]),
-                            "efficient_true": int(self.polestar["windowed"][row, blk]),
-                            "cluster_true": int(self.polestar["refresh_steps"][row, blk])})
-            else:
-                out.append({"block_id": blk, "block_nfe": int(self.block_nfe[row, blk])})
-        return out
-
-    def trajectory(self, row: int) -> list[list[tuple[int, int]]]:
-        """Per forward, the (position within the generation, token) pairs committed, in position order."""
-        n = int(self.nfe[row])
-        out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-        for j, (s, t) in enumerate(zip(self.commit_step[row], self.tokens[row])):
-            if 0 <= s < n:
-                out[s].append((j, int(t)))
-        return out
-
-    def commits_per_forward(self, row: int) -> list[int]:
-        return [len(t) for t in self.trajectory(row)]
-
-    def row(self, r: int, index: Optional[int] = None) -> "RowOutput":
-        """Row ``r`` as a :class:`RowOutput` (``index``: its index in the job)."""
-        blocks = self.block_nfe.shape[1] if self.blocks is None else int(self.blocks[r])
-        n = blocks * (self.tokens.shape[1] // max(1, self.block_nfe.shape[1]))
-        pol = None if self.polestar is None else {k: np.asarray(v[r]) for k, v in self.polestar.items()}
-        return RowOutput(index=r if index is None else index, tokens=np.asarray(self.tokens[r, :n]),
-                         commit_step=np.asarray(self.commit_step[r, :n]), nfe=int(self.nfe[r]),
-                         block_nfe=np.asarray(self.block_nfe[r, :blocks]), polestar=pol)
-
-
-@dataclasses.dataclass
-class RowOutput:
-    """One decoded prompt, as the engine returns it (token ids; :meth:`Engine.completion` does the accounting).
-
-    index        the prompt's index in the job (its randomness comes from (seed, index))
-    tokens       [n] int  the generated ids of the blocks the row decoded (n = blocks x block length)
-    commit_step  [n] int  which of the row's forwards committed each id
-    nfe          forwards the row ran
-    block_nfe    [blocks] forwards per decoded block
-    polestar     decoder polestar: the row's statistics (``polestar_state.STAT_FIELDS``), else None
-    seconds      (continuous jobs) wall seconds from the row's insertion to its results on the host
-    """
-
-    index: int
-    tokens: np.ndarray
-    commit_step: np.ndarray
-    nfe: int
-    block_nfe: np.ndarray
-    polestar: Optional[dict] = None
-    seconds: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """The accounting of one row: its response and the numbers ``bench.run``, the API and the server report.
-
-    response_ids    the generated ids up to the first stop token (EOS, pad, end of turn)
-    non_eos_tokens  generated ids (of the decoded blocks) that are not EOS / pad: TPF's numerator
-    nfe, tpf        forwards, and non_eos_tokens / nfe
-    stats           decoder polestar: refresh_steps, early_commits, suffix_commits, windowed_passes; else {}
-    finish_reason   "stop" (a stop token ended the response) or "length" (it ran to its last block)
-    """
-
-    response_ids: list
-    non_eos_tokens: int
-    nfe: int
-    tpf: float
-    stats: dict
-    finish_reason: str
-
-
-def polestar_stats(ps: Optional[dict], r: Optional[int] = None) -> dict:
-    """Polestar's counters of one row (``ps``: per-row stats, or batch stats with ``r``): refresh steps,
-    early and suffix commits, windowed block starts."""
-    if ps is None:
-        return {}
-
-    def total(name):
-        a = np.asarray(ps[name]) if name in ps else np.zeros(1)
-        return int((a if r is None else a[r]).sum())
-
-    return {"refresh_steps": total("refresh_steps"), "early_commits": total("early"),
-            "suffix_commits": total("suffix"), "windowed_passes": total("windowed")}
+def own_stats(state: DecodeState, decoder: str) -> Optional[dict]:
+    """The per-row statistics of ``decoder``'s own state (:attr:`PolicyState.stats`: device arrays [b, ...]),
+    or None for a policy that keeps none."""
+    own = own_state(decoder)
+    return None if own is None or state.policy_state is None else own.stats(state.policy_state)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: DecodeConfig) -> None:
@@ -195,6 +83,27 @@ def batch_bucket(n: int, limit: Optional[int] = None) -> int:
     executable (1, 2, 4, 8, 16, 32, 64, ..., and the batch size itself)."""
     b = 1 << max(0, int(n) - 1).bit_length()
     return min(b, int(limit)) if limit is not None and limit >= n else b
+
+
+#: XLA options of the programs compiled for a platform. GPU: GEMMs through cuBLAS, whose dynamic-slice
+#: fusion reads a layer's weights in place inside the layer scan (Triton's GEMMs made XLA copy each layer's
+#: weight slices first: 2.4x the bytes a step needs, ``bench/gpu_proxy.py``), and no merging of the GEMMs
+#: that share an operand (a merged GEMM concatenates the weights anew on every call).
+COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}}
+
+
+def compiler_options(platform: Optional[str]) -> Optional[dict]:
+    """The XLA options the engine compiles with for ``platform`` (None: XLA's defaults)."""
+    return COMPILER_OPTIONS.get({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform))
+
+
+def platform_of(key) -> Optional[str]:
+    """The platform of the devices a program key's shardings (:func:`_signature`) name (None: no sharding
+    given; the default backend's programs)."""
+    if isinstance(key, tuple):
+        return next((p for p in map(platform_of, key) if p is not None), None)
+    devices = getattr(key, "device_set", None)
+    return next(iter(devices)).platform if devices else None
 
 
 def _signature(tree) -> tuple:
@@ -302,12 +211,12 @@ class Engine:
         name = executables.digest(key) if folder else None
         prog = executables.load(folder, name) if name else None
         if prog is not None:  # stored by an earlier process: no tracing at all
-            rec = CompileRecord(what, 0.0, time.perf_counter() - t0, True, stored=True)
+            rec = CompileRecord(what, 0.0, time.perf_counter() - t0, True, from_store=True)
         else:
             lowered = build()
             t1 = time.perf_counter()
             hits = cache_hits()
-            prog = lowered.compile()
+            prog = lowered.compile(compiler_options(platform_of(key)))
             rec = CompileRecord(what, t1 - t0, time.perf_counter() - t1, cache_hits() > hits)
             # (asked whatever the store's state: it remembers what JAX's persistent cache loaded)
             if executables.freshly_compiled(prog, rec.compile_seconds, rec.cache_hit) and name:
@@ -321,9 +230,16 @@ class Engine:
             self._programs.popitem(last=False)
         return prog, rec.seconds
 
+    @property
+    def platform(self) -> str:
+        """The platform of the devices the parameters live on (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
+        leaf = jax.tree.leaves(self.params)[0]
+        devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+        return next(iter(devices)).platform if devices else jax.default_backend()
+
     def spec(self, dcfg: DecodeConfig) -> EngineSpec:
         """The block program's structure for ``dcfg`` (with this model's stop tokens for early exit)."""
-        return EngineSpec.from_config(self.config, dcfg, stop_ids=tuple(self.stop_ids))
+        return EngineSpec.from_config(self.config, dcfg, stop_ids=tuple(self.stop_ids), platform=self.platform)
 
     def block_program(self, params, state: DecodeState, knobs: Knobs, spec: EngineSpec, replay=None):
         """The compiled block program for these shapes, compiling it on first use. Returns ``(fn,
@@ -347,7 +263,7 @@ class Engine:
         return self._program(key, build, f"the {spec.decoder} block program for batch {b}, prompt slot {slot}, "
                                          f"gen length {spec.gen_length}")
 
-    def _insert_program(self, state: DecodeState, fields: PromptFields, layout: StateLayout):
+    def insert_program(self, state: DecodeState, fields: PromptFields, layout: StateLayout):
         key = ("insert", layout, _signature(state), _signature(fields))
 
         def build():
@@ -376,7 +292,7 @@ class Engine:
             if running:
                 RunningBatch(self, dcfg, b, slot, sampling=sampling, compact_rows=compact_rows)
             else:  # a state of this shape (its values do not matter: the program is keyed by shapes)
-                state = self._state([[self.config.pad_token_id]] * b, dcfg, slot, 0, list(range(b)), None)
+                state = self.initial_state([[self.config.pad_token_id]] * b, dcfg, slot, 0, list(range(b)), None)
                 self.block_program(self.params, state, self.knobs(dcfg), self.spec(dcfg))
         new = self.compiles - n0
         return list(self.compile_records)[-new:] if new else []
@@ -395,7 +311,8 @@ class Engine:
         k = Knobs.from_config(dcfg)
         return k if batch is None else jax.tree.map(lambda a: jnp.full((batch,), a, jnp.float32), k)
 
-    def _state(self, prompts, dcfg, prompt_slot, seed, rows, gen_lengths):
+    def initial_state(self, prompts, dcfg, prompt_slot, seed, rows, gen_lengths) -> DecodeState:
+        """The decode state of ``prompts`` on this engine's mesh, dtype and builders (:func:`init_decode_state`)."""
         return init_decode_state(self.config, dcfg, prompts, prompt_slot, seed=seed, rows=rows, dtype=self.dtype,
                                  mesh=self.mesh, gen_lengths=gen_lengths, builders=self._builders)
 
@@ -421,7 +338,7 @@ class Engine:
             raise PolestarError(f"rows has {len(rows)} entries for {len(prompts)} prompts")
         if not isinstance(seed, (int, np.integer)):
             raise PolestarError(f"seed must be an integer, got {seed!r}")
-        gens = self._gen_lengths(gen_lengths, len(prompts), dcfg)
+        gens = self.gen_lengths(gen_lengths, len(prompts), dcfg)
         params = self.params if params is None else params
         if self.mesh is not None and params is not self.params:
             from polestar_jax import sharding
@@ -432,7 +349,7 @@ class Engine:
 
             replay = sharding.shard(replay, sharding.state_shardings(replay, self.mesh))
         spec, knobs = self.spec(dcfg), self.knobs(dcfg)
-        state = self._state(prompts, dcfg, slot, seed, rows, gens)
+        state = self.initial_state(prompts, dcfg, slot, seed, rows, gens)
         fn, compile_seconds = self.block_program(params, state, knobs, spec, replay)
         t0 = time.perf_counter()
         steps = []
@@ -440,8 +357,7 @@ class Engine:
             state, st = fn(params, state, knobs, replay)
             steps.append(st)
         dispatch_seconds = time.perf_counter() - t0
-        # only what the result reports: not the Polestar store, clusters or proxy attention
-        stats = None if state.polestar is None else {k: getattr(state.polestar, k) for k in STAT_FIELDS}
+        stats = own_stats(state, dcfg.decoder)  # only what the result reports (not a policy's store)
         x, cstep, nfe, bnfe, blocks, pol, steps = to_host(
             (state.x, state.commit_step, state.nfe, state.block_nfe, state.block, stats, steps))
         seconds = time.perf_counter() - t0
@@ -451,7 +367,9 @@ class Engine:
                               compile_seconds=compile_seconds, dispatch_seconds=dispatch_seconds, polestar=pstats,
                               steps=steps if pol is not None else None, blocks=np.asarray(blocks))
 
-    def _gen_lengths(self, gen_lengths, n: int, dcfg: DecodeConfig) -> list[int]:
+    def gen_lengths(self, gen_lengths, n: int, dcfg: DecodeConfig) -> list[int]:
+        """Each of ``n`` rows' generation length (``gen_lengths``; None: ``dcfg``'s); a one-line error unless
+        each is a positive multiple of the block length up to ``dcfg.gen_length``."""
         if gen_lengths is None:
             return [dcfg.gen_length] * n
         gens = [int(g) for g in gen_lengths]
@@ -484,7 +402,7 @@ class Engine:
             raise PolestarError(f"rows has {len(rows)} entries for {n} prompts")
         if batch_size is not None and batch_size < 1:
             raise PolestarError(f"batch size must be >= 1, got {batch_size}")
-        gens = self._gen_lengths(gen_lengths, n, dcfg)
+        gens = self.gen_lengths(gen_lengths, n, dcfg)
         slot = prompt_slot or self.prompt_slot([len(p) for p in prompts])
         if slot < max(len(p) for p in prompts):
             raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
@@ -558,38 +476,6 @@ class Engine:
 
 
 @dataclasses.dataclass
-class JobResult:
-    """A continuous job's rows (in prompt order) and totals.
-
-    seconds          decode seconds (first dispatch to the last row on the host), compile apart
-    compile_seconds  seconds spent compiling for this job
-    block_calls      block-program calls dispatched
-    """
-
-    rows: list
-    decode: DecodeConfig
-    seconds: float
-    compile_seconds: float
-    batch_size: int
-    prompt_slot: int
-    block_calls: int
-    wall_seconds: float = 0.0
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self) -> Iterator[RowOutput]:
-        return iter(self.rows)
-
-    def __getitem__(self, i) -> RowOutput:
-        return self.rows[i]
-
-    @property
-    def nfe(self) -> int:
-        return sum(r.nfe for r in self.rows)
-
-
-@dataclasses.dataclass
 class _Occupant:
     tag: Any
     n_blocks: int
@@ -616,7 +502,7 @@ class RunningBatch:
         self.spec = engine.spec(dcfg)
         self.spec = dataclasses.replace(self.spec, per_row=True)  # rows join and leave at any block boundary
         sharded = engine.mesh is not None and engine.mesh.shape.get("data", 1) > 1
-        auto = compact_width(self.size, self.spec, sharded)
+        auto = compact_width(self.size, self.spec, sharded, engine.platform)
         if compact_rows is not None and compact_rows != auto:
             if compact_rows < 0:
                 raise PolestarError(f"compact_rows must be >= 0, got {compact_rows}")
@@ -626,20 +512,22 @@ class RunningBatch:
         self.spec = dataclasses.replace(self.spec, compact_rows=auto)
         if sampling:  # the sampling variant: per-row temperatures, 0 included (x + 0 * noise = x: greedy tokens)
             self.spec = dataclasses.replace(self.spec, stochastic=True)
-        self.layout = StateLayout(engine.config, dcfg.num_blocks, dcfg.cache != "none", np.dtype(engine.dtype),
-                                  dcfg.block_length, dcfg.polestar if dcfg.decoder == "polestar" else None)
+        self.layout = state_layout(engine.config, dcfg, engine.dtype)
         empty = [[engine.config.pad_token_id]] * self.size
-        self.state = engine._state(empty, dcfg, self.slot, 0, list(range(self.size)), None)
+        self.state = engine.initial_state(empty, dcfg, self.slot, 0, list(range(self.size)), None)
         self.state = self.state.replace(n_blocks=jnp.zeros_like(self.state.n_blocks))  # every slot free
         base = Knobs.from_config(dcfg)
         self._base_knobs = {k: float(getattr(base, k)) for k in Knobs._fields}  # (read once: host floats)
         self._knobs = {k: np.full((self.size,), v, np.float32) for k, v in self._base_knobs.items()}
         self._knobs_dev = None
         self.fn, c1 = engine.block_program(engine.params, self.state, self.knobs, self.spec)
-        self.insert_fn, c2 = engine._insert_program(self.state, self._fields([1], 0, 0, dcfg.gen_length), self.layout)
+        self.insert_fn, c2 = engine.insert_program(self.state, self._fields([1], 0, 0, dcfg.gen_length), self.layout)
         self.compile_seconds = c1 + c2
         self.slots: list[Optional[_Occupant]] = [None] * self.size
         self._freed: set[int] = set()  # slots freed on the host whose rows the device still counts as live
+        decoder = dcfg.decoder
+        self._pack = jax.jit(lambda s: snapshot.pack(s, self.slot, own_stats(s, decoder)))
+        self._cols = snapshot.layout(self.state, self.slot, own_stats(self.state, decoder))
 
     @property
     def knobs(self) -> Knobs:
@@ -661,21 +549,21 @@ class RunningBatch:
 
     def insert(self, prompt: Sequence[int], seed: int = 0, row: int = 0, tag: Any = None,
                gen_length: Optional[int] = None, threshold: Optional[float] = None,
-               temperature: Optional[float] = None, factor: Optional[float] = None, slot: Optional[int] = None) -> int:
+               temperature: Optional[float] = None, factor: Optional[float] = None, slot: Optional[int] = None,
+               checked: bool = False) -> int:
         """Puts ``prompt`` into a free slot (``slot``, or the first free one) and returns the slot. Its
         randomness comes from ``(seed, row)``; ``gen_length`` (a multiple of the block length up to the
         batch's) defaults to the batch's; ``threshold`` / ``temperature`` / ``factor`` override the batch's
-        knobs for this row (a temperature needs a batch whose decode config samples: ``temperature > 0``)."""
+        knobs for this row (a temperature needs a batch whose decode config samples: ``temperature > 0``).
+        ``checked``: the caller has passed the prompt and gen length through :meth:`check` already."""
         free = self.free_slots
         if not free:
             raise PolestarError("no free slot in the running batch")
         slot = free[0] if slot is None else int(slot)
         if self.slots[slot] is not None:
             raise PolestarError(f"slot {slot} is taken")
-        if len(prompt) > self.slot:
-            raise PolestarError(f"a prompt of {len(prompt)} tokens does not fit the prompt slot {self.slot}")
-        self.engine.check([prompt], self.dcfg)
-        gen = self.engine._gen_lengths(None if gen_length is None else [gen_length], 1, self.dcfg)[0]
+        gen = self.check(prompt, gen_length) if not checked else (self.dcfg.gen_length if gen_length is None
+                                                                  else int(gen_length))
         if temperature is not None and temperature > 0 and not self.spec.stochastic:
             raise PolestarError("this batch decodes greedily (temperature 0); sampling needs a batch with a "
                                 "temperature > 0")
@@ -688,13 +576,48 @@ class RunningBatch:
         self.slots[slot] = _Occupant(tag=tag, n_blocks=gen // self.dcfg.block_length, inserted=time.perf_counter())
         return slot
 
-    def step(self) -> None:
-        """Advances every live row by one block (dispatched asynchronously)."""
+    def check(self, prompt: Sequence[int], gen_length: Optional[int] = None) -> int:
+        """The row's gen length (``gen_length``, default the batch's), or a one-line :class:`PolestarError` for
+        a prompt this batch cannot take: longer than the prompt slot, empty or with ids outside the vocabulary,
+        or a gen length that is not a positive multiple of the block length up to the batch's."""
+        if len(prompt) > self.slot:
+            raise PolestarError(f"a prompt of {len(prompt)} tokens does not fit the prompt slot {self.slot}")
+        self.engine.check([prompt], self.dcfg)
+        return self.engine.gen_lengths(None if gen_length is None else [gen_length], 1, self.dcfg)[0]
+
+    def step(self) -> snapshot.PendingBlock:
+        """Advances every live row by one block (dispatched asynchronously) and returns the block's result on
+        its way to the host (:class:`~polestar_jax.engine.snapshot.PendingBlock`: read it while the next block
+        runs; :meth:`rows_of` turns its finished rows into outputs)."""
         self._apply_frees()
         self.state, _ = self.fn(self.engine.params, self.state, self.knobs, None)
         for o in self.slots:
             if o is not None:
                 o.blocks_dispatched += 1
+        return snapshot.PendingBlock(self._pack(self.state), self._cols, [None if o is None else o.tag
+                                                                         for o in self.slots])
+
+    def holds(self, result: snapshot.BlockResult, slot: int) -> bool:
+        """Whether ``slot`` still holds the row ``result`` was taken of (not freed, not taken by another since)."""
+        o = self.slots[slot]
+        return o is not None and result.tags[slot] is not None and o.tag == result.tags[slot]
+
+    def rows_of(self, result: snapshot.BlockResult, slots: Sequence[int]) -> list[RowOutput]:
+        """The rows of ``slots`` as ``result`` has them (their blocks decoded by then), and their slots freed; a
+        slot whose row left or changed since ``result`` was dispatched is skipped (see :meth:`holds`)."""
+        out, now, B = [], time.perf_counter(), self.dcfg.block_length
+        for i in slots:
+            if not self.holds(result, i):
+                continue
+            n = int(result.blocks[i])
+            out.append(RowOutput(index=self.slots[i].tag, tokens=result.tokens[i, : n * B].copy(),
+                                 commit_step=result.commit_step[i, : n * B].copy(), nfe=int(result.nfe[i]),
+                                 block_nfe=np.array(result.block_nfe[i, :n]),
+                                 polestar=None if result.stats is None else
+                                 {k: np.array(v[i]) for k, v in result.stats.items()},
+                                 seconds=now - self.slots[i].inserted))
+            self.cancel(i)
+        return out
 
     def max_blocks_left(self) -> int:
         """The most blocks a row still in the batch may need (without early exit)."""
@@ -728,7 +651,7 @@ class RunningBatch:
         s = self.state
         # whole (small) arrays to the host, rows picked there: an index array on the device would compile a
         # gather for every new number of finished rows
-        pol = None if s.polestar is None else {k: getattr(s.polestar, k) for k in STAT_FIELDS}
+        pol = own_stats(s, self.dcfg.decoder)
         x, cstep, nfe, bnfe, pol = to_host((s.x, s.commit_step, s.nfe, s.block_nfe, pol))
         x, cstep = np.asarray(x)[:, self.slot:], np.asarray(cstep)[:, self.slot:]
         now = time.perf_counter()

@@ -193,7 +193,7 @@ def save(folder: str, name: str, compiled) -> bool:
     :data:`MAX_ENTRIES`; False when it cannot be serialized or written (nothing is stored then)."""
     from jax.experimental.serialize_executable import serialize
 
-    from polestar_jax.cli import atomic_write
+    from polestar_jax.io.files import atomic_write
 
     try:
         blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
@@ -225,7 +225,7 @@ def _trim(folder: str, keep: int = MAX_ENTRIES) -> None:
             mtime = os.path.getmtime(path)
         except OSError:
             continue
-        if name.startswith(".tmp-"):  # (cli.atomic_write's: another process may be writing it)
+        if name.startswith(".tmp-"):  # (io.files.atomic_write's: another process may be writing it)
             if now - mtime > 3600:
                 _remove(path)
         elif name.endswith(_SUFFIX):

@@ -58,7 +58,7 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
          compile_step: bool = True) -> MemoryPlan:
     """Plans one generation of ``batch`` prompts of ``prompt_len`` tokens."""
     from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
-    from polestar_jax.decode.state import init_decode_state
+    from polestar_jax.decode.layout import init_decode_state, own_state
 
     dt = jnp.dtype(dtype)
     from polestar_jax.io.checkpoint import param_shapes
@@ -70,15 +70,10 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
     kv = _nbytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
     hs = other = transient = 0
     hs_memory = "device"
-    if state.polestar is not None:
-        from polestar_jax.decode.polestar.offload import HOST_MEMORY_KIND, host_memory_available
-
-        store = (state.polestar.hs, state.polestar.hs_scale)
-        hs = _nbytes(store) // batch
-        other = (_nbytes(state.polestar) - _nbytes(store)) // batch
-        if dcfg.polestar.offload_hidden != "none":
-            hs_memory = HOST_MEMORY_KIND if host_memory_available() else "device"
-            transient = hs // cfg.n_layers
+    own = own_state(dcfg.decoder)
+    if own is not None and state.policy_state is not None:
+        mem = own.memory(state.policy_state, batch, own.config_of(dcfg))
+        hs, other, hs_memory, transient = mem["stored"], mem["other"], mem["stored_memory"], mem["transient"]
     compiled, secs = None, 0.0
     if compile_step:
         spec = EngineSpec.from_config(cfg, dcfg)

@@ -192,10 +192,7 @@ class Api:
         from polestar_jax.serving.scheduler import Job, NotAccepting, QueueFull
 
         settings = check_fields(req, self.served, self.limits, self.scheduler.dcfg, self.default_temperature)
-        ids = prompt_ids(self.model, req)
-        if len(ids) > self.limits.max_prompt_tokens:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; this server takes at most "
-                             f"{self.limits.max_prompt_tokens}", "messages" if chat else "prompt")
+        ids = prompt_ids(self.model, req)  # (its length and ids: the scheduler's check, at submit)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def on_event(ev):  # on the scheduler's thread
@@ -214,8 +211,8 @@ class Api:
         except NotAccepting as e:
             self.metrics.record("outcome", "rejected")
             return self.error(503, str(e), kind="server_error")
-        except PolestarError as e:
-            raise BadRequest(str(e)) from None
+        except PolestarError as e:  # the scheduler's check of the prompt (Scheduler.check)
+            raise BadRequest(str(e), "messages" if chat else "prompt") from None
         reply = Reply(self.served, chat, ids)
         if req.stream:
             from fastapi.responses import StreamingResponse

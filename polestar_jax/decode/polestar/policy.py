@@ -28,7 +28,7 @@ from polestar_jax.decode.polestar.draws import at_forward, block_start_draws
 from polestar_jax.decode.polestar.drift import drift_delta, push_history
 from polestar_jax.models.family import family_of
 from polestar_jax.decode.polestar.start import cluster_layers, start_pass
-from polestar_jax.decode.polestar.state import geometry, rows_at
+from polestar_jax.decode.polestar.state import POLESTAR_STATE, geometry, rows_at
 from polestar_jax.decode.polestar.step import StepForwardOut, step_layers, step_tail
 from polestar_jax.decode.rows import batch_any
 from polestar_jax.decode.state import DecodeState, select_rows
@@ -70,7 +70,7 @@ def _predict(ctx: BlockCtx, state: DecodeState, logits, cand, salt: int = 0) -> 
 
 
 def _windowed(ctx: BlockCtx):
-    period = ctx.spec.polestar.windowed_period
+    period = ctx.spec.own_config.windowed_period
     if not period:
         return jnp.bool_(False)
     return ctx.block_idx % period == period - 1
@@ -78,7 +78,7 @@ def _windowed(ctx: BlockCtx):
 
 def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
     """The block-start pass and its threshold commit."""
-    pc, block, spec = ctx.spec.polestar, ctx.block, ctx.spec
+    pc, block, spec = ctx.spec.own_config, ctx.block, ctx.spec
     windowed = _windowed(ctx)
     # the rows this block start clusters: its own window (a full pass's may differ from the windowed one)
     geo = geometry(state, ctx.cs, block, pc, window=pc.pass_window(block, False))
@@ -98,7 +98,7 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
         mixed = lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, False, spec.unroll, keep=windowed)
         out = lax.cond(only_w, run(True), mixed)
     out = cluster_layers(ctx.params, out, state, geo, ctx.cfg, pc, block, draws, spec.unroll)
-    pol = state.polestar
+    pol = state.policy_state
     masked = ctx.masked(state)
     active = jnp.any(masked, axis=1)
     pred = _predict(ctx, state, out.logits, masked)
@@ -113,34 +113,38 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
         windowed=pol.windowed.at[:, bi].set(jnp.where(windowed, 1, 0)),
         processed=pol.processed.at[:, bi].set(True))
     # (the windowed pass keeps the K/V outside the window; the refresh rows are all inside it)
-    new = write_commits(state.replace(k_cache=out.k, v_cache=out.v, polestar=new_pol), transfer, pred.x0,
+    new = write_commits(state.replace(k_cache=out.k, v_cache=out.v, policy_state=new_pol), transfer, pred.x0,
                         start=ctx.cs, count=jnp.ones_like(active))
+    # a row whose block has no mask left (pre-committed whole) skips the block: its start never happened, its
+    # cache included (once a block: the decode steps write K/V for their active rows only)
+    keep = lambda n, o: jnp.where(active[None, :, None, None, None], n, o)
+    new = new.replace(k_cache=keep(new.k_cache, state.k_cache), v_cache=keep(new.v_cache, state.v_cache))
     return select_rows(active, new, state)
 
 
 def _refresh_rows(ctx: BlockCtx, state: DecodeState, active):
     """Which rows refresh in this step, and the commit counter after the decision."""
-    pc, pol = ctx.spec.polestar, state.polestar
+    pc, pol = ctx.spec.own_config, state.policy_state
     counter = pol.counter + pol.last_commits
     cluster = active & ((pol.last_commits > pc.trigger_commits) | (counter > pc.trigger_accum)) & pc.refresh
     return cluster, jnp.where(cluster, 0, counter)
 
 
-def _forward(ctx: BlockCtx, state: DecodeState, geo, cluster) -> StepForwardOut:
-    pc = ctx.spec.polestar
+def _forward(ctx: BlockCtx, state: DecodeState, geo, cluster, active) -> StepForwardOut:
+    pc = ctx.spec.own_config
     forced = None
     if ctx.replay is not None:
         at = lambda a: jnp.swapaxes(at_forward(a, state.nfe), 0, 1)
         forced = (at(ctx.replay.topk), at(ctx.replay.topk_forced))
     fwd = lambda r: (lambda: step_layers(ctx.params, state, geo, ctx.cfg, pc, ctx.block, r, cluster, forced,
-                                         ctx.spec.unroll))
+                                         ctx.spec.unroll, write_rows=active))
     lay = lax.cond(batch_any(cluster), fwd(True), fwd(False)) if pc.refresh else fwd(False)()
     return step_tail(ctx.params, state, ctx.cfg, pc, ctx.block, lay)  # (once, after either layer pass)
 
 
 def _early(ctx: BlockCtx, conf, masked, delta, active):
     """Polestar-Commit: middling-confidence tokens whose drift rose past the gate."""
-    pc = ctx.spec.polestar
+    pc = ctx.spec.own_config
     if pc.early_threshold is None:
         return jnp.zeros_like(masked)
     gate = pc.gate_scale * jnp.square(jnp.maximum(pc.gate_center - conf, 0.0))
@@ -151,7 +155,7 @@ def _early(ctx: BlockCtx, conf, masked, delta, active):
 def _suffix(ctx: BlockCtx, state: DecodeState, new: DecodeState, out: StepForwardOut, geo, cluster, active):
     """Refreshed suffix rows of the last layer's packet that are confident commit ahead of their block.
     Returns (state, commit mask [b, Ws])."""
-    pc, block = ctx.spec.polestar, ctx.block
+    pc, block = ctx.spec.own_config, ctx.block
     suf = pc.suffix_rows(block)
     if not (pc.suffix_precommit and suf):
         return new, jnp.zeros((state.x.shape[0], suf), bool)
@@ -171,17 +175,17 @@ def _tie_order(ctx: BlockCtx):
     0 swapped: in a block-only forward both are predicted from the span's first row, so they tie exactly
     whenever both are masked, and the official Dream code's ``torch.topk`` commits position 1
     (docs/differences.md#d27)."""
-    if ctx.spec.polestar.tie_break != "shared_row" or not family_of(ctx.cfg).logit_shift or ctx.block < 2:
+    if ctx.spec.own_config.tie_break != "shared_row" or not family_of(ctx.cfg).logit_shift or ctx.block < 2:
         return None
     return np.concatenate([[1, 0], np.arange(2, ctx.block)])
 
 
 def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, StepOut]:
     """One Polestar decode step for every row that still has masks in its block."""
-    pc, pol = ctx.spec.polestar, state.polestar
+    pc, pol = ctx.spec.own_config, state.policy_state
     geo = geometry(state, ctx.cs, ctx.block, pc)
     cluster, counter = _refresh_rows(ctx, state, active)
-    out = _forward(ctx, state, geo, cluster)
+    out = _forward(ctx, state, geo, cluster, active)
     delta = drift_delta(out.drift, pol.hist, pol.hist_fill)
     hist, fill = push_history(pol.hist, pol.hist_fill, out.drift)
     masked = ctx.masked(state)
@@ -196,7 +200,7 @@ def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, Ste
         refresh_steps=pol.refresh_steps.at[:, ctx.block_idx].add(cluster.astype(jnp.int32)),
         early=pol.early + jnp.sum(early & ~thr, axis=1).astype(jnp.int32),
         suffix=pol.suffix + jnp.sum(commit_suf, axis=1).astype(jnp.int32))
-    new = new.replace(k_cache=out.k, v_cache=out.v, polestar=new_pol, nfe=state.nfe + 1)
+    new = new.replace(k_cache=out.k, v_cache=out.v, policy_state=new_pol, nfe=state.nfe + 1)
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     stats = StepOut(active, cluster, out.drift, delta, sw(out.scores), sw(out.selected), sw(out.own),
                     sw(out.n_rows), sw(out.moved_rows), thr, early & ~thr, commit_suf)
@@ -205,7 +209,7 @@ def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, Ste
 
 def empty_steps(ctx: BlockCtx, n_steps: int, b: Optional[int] = None) -> StepOut:
     """A zero buffer for ``n_steps`` StepOuts (leading axis = step within the block)."""
-    cfg, pc, block = ctx.cfg, ctx.spec.polestar, ctx.block
+    cfg, pc, block = ctx.cfg, ctx.spec.own_config, ctx.block
     b = ctx.n_masked0.shape[0] if b is None else b
     n, k, suf = cfg.n_layers, pc.n_clusters, pc.suffix_rows(block)
     z = lambda *s, dt=jnp.float32: jnp.zeros((n_steps,) + s, dt)
@@ -219,7 +223,7 @@ def active_rows(ctx: BlockCtx, state: DecodeState, i) -> jax.Array:
 
 
 POLICY = Policy(start=start, active=active_rows, step=step, bound=lambda ctx: ctx.block + 1,
-                empty_stats=lambda ctx, n: empty_steps(ctx, n))
+                empty_stats=lambda ctx, n: empty_steps(ctx, n), own=POLESTAR_STATE)
 register_policy("polestar", POLICY)
 
 

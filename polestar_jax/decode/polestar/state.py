@@ -13,8 +13,11 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from polestar_jax.decode.polestar import offload
 from polestar_jax.decode.polestar.offload import store_dtype
+from polestar_jax.decode.state import PolicyState
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.axes import LAYER_BATCH, axes
 
@@ -120,3 +123,53 @@ def rows_at(a: jax.Array, idx: jax.Array) -> jax.Array:
     """a [b, L, ...] gathered at positions idx [b, T] or [T] (clipped to [0, L))."""
     idx = jnp.broadcast_to(jnp.clip(idx, 0, a.shape[1] - 1), a.shape[:1] + idx.shape[-1:])
     return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+# ----------------------------------------------------------------------- the hooks of decode.state.PolicyState
+def _config_of(dcfg, platform=None) -> PolestarConfig:
+    return dcfg.polestar.for_platform(platform)
+
+
+def _init(layout, b: int, length: int) -> PolestarState:
+    return init_polestar_state(layout.model, layout.own_config, b, length, layout.block_length, layout.num_blocks,
+                               layout.dtype)
+
+
+def _place(pol: PolestarState, pc: PolestarConfig, abstract: bool) -> PolestarState:
+    """The hidden-state store moved where ``pc.offload_hidden`` keeps it (host memory), outside jit."""
+    if pc.offload_hidden == "none":
+        return pol
+    hs, hs_scale = (offload.abstract_store if abstract else
+                    lambda a, s: offload.place_store(a, s, pc))(pol.hs, pol.hs_scale)
+    return pol.replace(hs=hs, hs_scale=hs_scale)
+
+
+def _at_rest(pol: PolestarState, spec) -> PolestarState:
+    pc = spec.own_config
+    return pol.replace(hs=offload.to_host(pol.hs, pc), hs_scale=offload.to_host(pol.hs_scale, pc))
+
+
+def _reshape(a: jax.Array, shape: tuple, spec) -> jax.Array:
+    return offload.reshape(a, shape, spec.own_config)
+
+
+def _compactable(spec) -> bool:
+    return spec.own_config.offload_hidden == "none"
+
+
+def _stats(pol: PolestarState) -> dict:
+    return {k: getattr(pol, k) for k in STAT_FIELDS}
+
+
+def _memory(pol: PolestarState, batch: int, pc: PolestarConfig) -> dict:
+    nbytes = lambda tree: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+    store = nbytes((pol.hs, pol.hs_scale))
+    stored, host = store // batch, pc.offload_hidden != "none"
+    return {"stored": stored, "other": (nbytes(pol) - store) // batch,
+            "stored_memory": offload.HOST_MEMORY_KIND if host and offload.host_memory_available() else "device",
+            "transient": stored // pol.hs.shape[0] if host else 0}
+
+
+#: Polestar's state through the generic hooks (``Policy.own``).
+POLESTAR_STATE = PolicyState(config_of=_config_of, init=_init, place=_place, at_rest=_at_rest, reshape=_reshape,
+                             compactable=_compactable, stats=_stats, memory=_memory)

@@ -108,6 +108,7 @@ class StepCtx(NamedTuple):
     ref_idx: jax.Array  # [b, R] cache positions of the window rows
     ref_qpos: jax.Array  # [b, R] their RoPE positions
     cluster_rows: jax.Array  # [b] rows that refresh in this step
+    write_rows: jax.Array  # [b] rows whose block K/V this step writes (the active ones: others keep their cache)
     widths: tuple  # compiled widths of stage 3 (compaction.widths; its 0 unused)
     store_widths: tuple  # compiled widths of stage 1 (compaction.store_widths)
 
@@ -164,7 +165,7 @@ class LayerStats(NamedTuple):
 
 
 def _write_block(ctx: StepCtx, xs: LayerIn):
-    return slice_write((xs.k_cache, xs.v_cache), ctx.geo.cs)
+    return slice_write((xs.k_cache, xs.v_cache), ctx.geo.cs, mask=ctx.write_rows[:, None])
 
 
 def plain_layer(ctx: StepCtx, carry: Carry, xs: LayerIn) -> tuple[Carry, tuple]:
@@ -307,12 +308,13 @@ def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> tuple[Carry, t
 
 
 def step_ctx(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
-             cluster_rows: jax.Array) -> StepCtx:
+             cluster_rows: jax.Array, write_rows: Optional[jax.Array] = None) -> StepCtx:
     blk_pos = rows_at(state.pos, geo.cs + jnp.arange(block))
+    write_rows = jnp.ones(state.x.shape[:1], bool) if write_rows is None else write_rows
     return StepCtx(cfg, family_of(cfg), pc, block, geo, state.key_valid, Rope.at(state.pos, cfg), blk_pos,
                    Rope.at(blk_pos, cfg),
                    jnp.broadcast_to(geo.ref_pos, geo.ref_valid.shape).astype(jnp.int32),
-                   rows_at(state.pos, geo.ref_pos), cluster_rows, widths(pc, pc.window_rows(block)),
+                   rows_at(state.pos, geo.ref_pos), cluster_rows, write_rows, widths(pc, pc.window_rows(block)),
                    store_widths(pc, pc.window_rows(block), uses_host(pc)))
 
 
@@ -329,12 +331,13 @@ class StepLayers(NamedTuple):
 
 def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
                 refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]],
-                unroll: int | bool = 1) -> StepLayers:
+                unroll: int | bool = 1, write_rows: Optional[jax.Array] = None) -> StepLayers:
     """The layer pass of a decode step: the block against the cache; with ``refresh`` the sparse refresh of
-    the rows of the top-drift clusters runs in the same pass (for rows with ``cluster_rows`` [b])."""
-    pol, b, n_layers = state.polestar, state.x.shape[0], cfg.n_layers
+    the rows of the top-drift clusters runs in the same pass (for rows with ``cluster_rows`` [b]).
+    ``write_rows`` [b] (default: every row): the rows whose block K/V the step writes into the cache."""
+    pol, b, n_layers = state.policy_state, state.x.shape[0], cfg.n_layers
     pre, suf = pc.prefix_rows(block), pc.suffix_rows(block)
-    ctx = step_ctx(state, geo, cfg, pc, block, cluster_rows)
+    ctx = step_ctx(state, geo, cfg, pc, block, cluster_rows, write_rows)
     fam = ctx.fam
     h_blk0 = fam.embed(params, rows_at(state.x, geo.cs + jnp.arange(block)))
     dt = h_blk0.dtype
@@ -371,7 +374,7 @@ def step_tail(params, state: DecodeState, cfg: ModelConfig, pc: PolestarConfig, 
               lay: StepLayers) -> StepForwardOut:
     """The token drift of the last layer's block attention and the block logits, after the layer pass (one
     copy in the program, whichever layer pass ran)."""
-    drift, p_blk = kl_drift(lay.q_blk, lay.k_rot, state.key_valid, state.polestar.p_prev, mode="token",
+    drift, p_blk = kl_drift(lay.q_blk, lay.k_rot, state.key_valid, state.policy_state.p_prev, mode="token",
                             backend=pc.kernels)
     logits = family_of(cfg).head_at(params, lay.h_blk, cfg, 0, block)
     return lay.out._replace(p_blk=p_blk, drift=drift, logits=logits)
