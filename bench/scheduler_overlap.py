@@ -48,7 +48,7 @@ def measure(iters: int, host_per_row: float, rows: int = 4, jobs: int = 16, gen:
     with registered(device_iters=iters):
         engine = Engine(PARAMS, CFG, tokenizer=LetterTokenizer(host_per_row))
         sched = Scheduler(engine, dcfg, max_batch=rows, prompt_slot=4, max_queue=jobs, sampling=False,
-                          batch_wait=0.0).start()
+                          batch_wait=0.0, overlap=True).start()  # (the automatic rule may also pick it)
         try:
             done, left, lock = threading.Event(), [jobs], threading.Lock()
 

@@ -134,9 +134,32 @@ def test_bad_jobs_full_queue_cancel_and_stop(engine):
 
 
 def test_the_next_block_is_dispatched_before_the_last_is_read(engine):
-    """The host reads block k's result only after block k + 1 is on the device (its work overlaps the
-    device's): one job of 4 blocks alone gives step, step, read, step, read, step, read, read."""
-    s = Scheduler(engine, DCFG, max_batch=1, prompt_slot=SLOT, max_queue=2, sampling=False, batch_wait=0.0)
+    """With the overlap on, the host reads block k's result only after block k + 1 is on the device (its work
+    overlaps the device's): one job of 4 blocks alone gives step, step, read, step, read, step, read, read;
+    with it off, each block is read before the next is dispatched."""
+    assert _order(engine, True) == ["step", "step", "read", "step", "read", "step", "read", "read"]
+    assert _order(engine, False) == ["step", "read"] * 4
+
+
+def test_the_overlap_pays_where_the_host_is_slower():
+    """The automatic rule: ahead when the host's seconds per block exceed the finished fraction times the
+    device's (a slot freed ahead idles one block), and reading each block at once until it has measured."""
+    from polestar_jax.serving.scheduler import Overlap
+
+    rule = Overlap()
+    assert not rule.ahead()  # nothing measured yet: read each block at once
+    for _ in range(20):
+        rule.record(host=0.020, device=0.010, finished=0.5)  # a fast device, a busy host (a GPU)
+    assert rule.ahead()
+    for _ in range(20):
+        rule.record(host=0.002, device=0.070, finished=0.4)  # a slow device, little host work (this CPU)
+    assert not rule.ahead()
+    assert Overlap(True).ahead() and not Overlap(False).ahead()
+
+
+def _order(engine, overlap: bool) -> list[str]:
+    s = Scheduler(engine, DCFG, max_batch=1, prompt_slot=SLOT, max_queue=2, sampling=False, batch_wait=0.0,
+                  overlap=overlap)
     log, real_step = [], s.batch.step
 
     def step():
@@ -157,4 +180,4 @@ def test_the_next_block_is_dispatched_before_the_last_is_read(engine):
     finally:
         s.stop()
     assert events[0][-1].text == want(1)[0]
-    assert log == ["step", "step", "read", "step", "read", "step", "read", "read"]
+    return log

@@ -88,6 +88,32 @@ def check_settings(max_batch: int, max_queue: int, batch_wait: float, name: Call
         raise PolestarError(f"{name('batch_wait')} must be in [0, 1] (a fraction of a block call), got {batch_wait}")
 
 
+@dataclasses.dataclass
+class Overlap:
+    """Whether the scheduler dispatches the next block before it reads the last one (:meth:`Scheduler._loop`).
+
+    Dispatching ahead hides the host's work on a block behind the device's next block, but a slot the block
+    frees idles one block longer. It is worth it when the host's seconds per block exceed what the idling
+    costs: the fraction of rows a block finishes times the block's device seconds (a fast device and a
+    detokenizing, streaming host: a GPU; a slow device and little host work, short answers: this CPU with
+    the test beds). ``mode``: True or False fixes the choice; None (auto) decides from moving averages of
+    the measured seconds (it starts reading each block at once, which measures the device's time)."""
+
+    mode: Optional[bool] = None
+    host: float = 0.0  # host seconds a block's result costs (reporting it)
+    device: float = 0.0  # device seconds a block costs
+    finished: float = 0.0  # fraction of its rows a block finishes
+    alpha: float = 0.3
+
+    def ahead(self) -> bool:
+        return self.mode if self.mode is not None else self.host > self.finished * self.device
+
+    def record(self, host: float, device: float, finished: float) -> None:
+        a = self.alpha
+        self.host, self.device = (1 - a) * self.host + a * host, (1 - a) * self.device + a * device
+        self.finished = (1 - a) * self.finished + a * finished
+
+
 class Scheduler:
     """The continuous-batching loop over one running batch (see the module docstring).
 
@@ -104,16 +130,19 @@ class Scheduler:
     batch_wait:     after rows finish, wait at most this fraction of the last block call for new jobs to fill
                     their slots before the next block (0: never; a closed-loop client sends its next request
                     right after an answer, and a slot left empty idles for a whole block)
+    overlap:        dispatch each block before reading the last (True), never (False) or when it pays (None:
+                    measured, :class:`Overlap`)
     """
 
     def __init__(self, engine: Engine, dcfg: DecodeConfig, max_batch: int, prompt_slot: int, max_queue: int = 256,
                  sampling: bool = True, metrics: Optional[Callable[[str, Any], None]] = None,
-                 compact_rows: Optional[int] = None, batch_wait: float = BATCH_WAIT):
+                 compact_rows: Optional[int] = None, batch_wait: float = BATCH_WAIT, overlap: Optional[bool] = None):
         check_settings(max_batch, max_queue, batch_wait)
         self.engine, self.dcfg = engine, dcfg
         self.max_batch, self.prompt_slot, self.max_queue = int(max_batch), int(prompt_slot), int(max_queue)
         self.sampling, self.compact_rows = sampling, compact_rows
         self.batch_wait = float(batch_wait)
+        self.overlap = Overlap(overlap)
         self.metrics = metrics or (lambda name, value: None)
         t0, n0 = time.perf_counter(), engine.compiles
         self.batch = self._new_batch()  # the one running batch: building it compiles (or loads) its programs
@@ -230,11 +259,12 @@ class Scheduler:
                 self._cv.wait(left)
 
     def _loop(self) -> None:
-        """Admit, dispatch the next block, then read the block before it: the host's work on block ``k``
-        (progress, detokenizing, stop strings, events, freeing rows) runs while the device computes block
-        ``k + 1``, so a block call costs the larger of the two, not their sum. A slot freed by block ``k``'s
-        result takes a new row before block ``k + 2``; a row that a stop string ends decodes one block more
-        on the device, discarded (rows are independent: no other row's tokens change)."""
+        """Admit, dispatch the next block, read what a block left. With the overlap on (:class:`Overlap`) the
+        next block is dispatched before the last one is read: the host's work on block ``k`` (progress,
+        detokenizing, stop strings, events, freeing rows) runs while the device computes block ``k + 1``, so a
+        block call costs the larger of the two, not their sum; a slot freed by block ``k`` then takes a new row
+        before block ``k + 2``, and a row that a stop string ends decodes one block more on the device,
+        discarded (rows are independent: no other row's tokens change)."""
         finished, block_seconds, pending = 0, 0.0, None
         while True:
             with self._cv:
@@ -248,19 +278,29 @@ class Scheduler:
                     self._await_arrivals(finished, block_seconds)
                 self._admit()
                 self._drop_cancelled()
-                t0, rows = time.perf_counter(), len(self._jobs)
+                t0, rows, ahead = time.perf_counter(), len(self._jobs), self.overlap.ahead()
                 nxt = None
                 if self.batch.max_blocks_left() > 0:  # some row still has a block to decode
                     nxt = self.batch.step()
                     self.blocks_run += 1
                     self.metrics("block", rows)
-                if pending is not None:
-                    self._report(pending.read())
-                pending = nxt
+                reads = [p for p in (pending, None if ahead else nxt) if p is not None]
+                pending = nxt if ahead else None
+                for p in reads:
+                    self._read(p, rows, ahead and p is not nxt)
                 finished, block_seconds = rows - len(self._jobs), time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - a failed step fails its batch, not the server
                 pending = None
                 self._fail_batch(f"{type(e).__name__}: {e}")
+
+    def _read(self, pending, rows: int, overlapped: bool) -> None:
+        """Reads a dispatched block's result and reports it, timing both for :class:`Overlap`."""
+        t0, before = time.perf_counter(), len(self._jobs)
+        res = pending.read()
+        t1 = time.perf_counter()
+        self._report(res)
+        host = time.perf_counter() - t1
+        self.overlap.record(host, (t1 - t0) + (host if overlapped else 0.0), (before - len(self._jobs)) / max(1, rows))
 
     def _drop_cancelled(self) -> None:
         for slot, job in list(self._jobs.items()):
