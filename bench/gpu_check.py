@@ -290,7 +290,8 @@ def shape_info(kind: str, cfg: ModelConfig, cc: CheckConfig, refresh_rows: Optio
         return dict(query_rows=B, keys=L, head_calls=1, head_rows=B,
                     description=f"{B} block rows against the cache ({L} keys) + token drift")
     if kind == "polestar_refresh_step":
-        return dict(query_rows=B + R, keys=L, head_calls=2 if S else 1, head_rows=B + S,
+        # (the block and the refreshed suffix rows share one LM-head GEMM: its weights are read once)
+        return dict(query_rows=B + R, keys=L, head_calls=1, head_rows=B + S,
                     description=f"{B} block rows + {R:g} refresh rows ({L} keys), cluster drift, patches, "
                                 f"suffix logits")
     if kind == "prefix_step":

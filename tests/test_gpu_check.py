@@ -59,7 +59,7 @@ def test_gpu_check_smoke(tmp_path, capsys):
             assert 0.8 < r["flops"] / r["flops_analytic"] < 1.6, (kind, r["flops"], r["flops_analytic"])
     assert rows[("full", "none")]["query_rows"] == c["L"] and rows[("dual_step", "none")]["query_rows"] == c["B"]
     ref, step = rows[("polestar_refresh_step", "reference")], rows[("polestar_step", "reference")]
-    assert ref["query_rows"] == c["B"] + c["R"] > step["query_rows"] and ref["head_calls"] == 2
+    assert ref["query_rows"] == c["B"] + c["R"] > step["query_rows"] and ref["head_calls"] == 1
     assert ref["bytes"] > step["bytes"] and ref["flops"] > step["flops"]
     assert set(data["pallas_over_reference"]) == set(G.KERNEL_KINDS)
     assert all(v > 0 for v in data["pallas_over_reference"].values())
@@ -85,7 +85,9 @@ def test_gpu_check_8b_bytes_model():
     assert bm["total"] == 4 * bm["per_layer_total"] + bm["once_total"]
     assert bm["once"]["lm_head"] >= 4096 * 126464 * 2
     refresh = G.bytes_model("polestar_refresh_step", cfg, cc)
-    assert refresh["once"]["lm_head"] > 2 * 4096 * 126464 * 2  # block and suffix logits: two head calls
+    # block and suffix logits in one GEMM: the head's weights once, the suffix rows' logits besides
+    assert 4096 * 126464 * 2 < refresh["once"]["lm_head"] < 2 * 4096 * 126464 * 2
+    assert refresh["once"]["lm_head"] > bm["once"]["lm_head"]
 
 
 @pytest.mark.parametrize("kind", G.KINDS)

@@ -61,16 +61,22 @@ class Family:
         """[N, b, KV, L, hd]: K (or V) of every layer, un-rotated."""
         return (cfg.n_layers, b, cfg.n_kv_heads, length, cfg.head_dim)
 
+    def head_rows(self, h: jax.Array, start, length: int) -> jax.Array:
+        """The rows [b, length, D] of a forward's input span ``h`` [b, T, D] whose logits predict positions
+        ``start .. start+length-1`` (relative to the span), with the family's logit alignment."""
+        if self.logit_shift == 0:
+            return jax.lax.dynamic_slice_in_dim(h, start, length, axis=1)
+        return jnp.take(h, jnp.clip(start + jnp.arange(length) - self.logit_shift, 0, h.shape[1] - 1), axis=1)
+
+    def suppress(self, logits: jax.Array) -> jax.Array:
+        """``logits`` [..., V] with the family's never-committed ids (``suppress_ids``) set very low."""
+        ids = [i for i in self.suppress_ids if i < logits.shape[-1]]
+        return logits.at[..., jnp.asarray(ids, jnp.int32)].set(-1e30) if ids else logits
+
     def head_at(self, params, h: jax.Array, cfg: ModelConfig, start, length: int) -> jax.Array:
         """Logits [b, length, V] predicting positions ``start .. start+length-1`` of a forward's input span
         ``h`` [b, T, D] (positions relative to the span), with the family's logit alignment."""
-        rows = jnp.clip(start + jnp.arange(length) - self.logit_shift, 0, h.shape[1] - 1)
-        if self.logit_shift == 0:
-            out = self.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, length, axis=1), cfg)
-        else:
-            out = self.lm_head(params, jnp.take(h, rows, axis=1), cfg)
-        ids = [i for i in self.suppress_ids if i < out.shape[-1]]
-        return out.at[..., jnp.asarray(ids, jnp.int32)].set(-1e30) if ids else out
+        return self.suppress(self.lm_head(params, self.head_rows(h, start, length), cfg))
 
     def logits(self, params, ids: jax.Array, cfg: ModelConfig, key_valid=None) -> jax.Array:
         """Float32 logits [b, L, V] predicting every position of ``ids`` [b, L] from one plain forward over it

@@ -320,8 +320,8 @@ def step_ctx(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarCo
 
 class StepLayers(NamedTuple):
     """What the layer pass of a decode step hands to its tail (:func:`step_layers`, then :func:`step_tail`):
-    the last layer's block rows, queries and rotated keys, and the step's outputs without the token drift,
-    the block attention rows and the block logits (``None`` until the tail)."""
+    the last layer's block rows, queries and rotated keys, and the step's outputs without the token drift and
+    the block attention rows (``None`` until the tail)."""
 
     h_blk: jax.Array  # [b, B, D]
     q_blk: jax.Array  # [b, H, B, hd]
@@ -358,26 +358,27 @@ def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc:
     carry, (outs, stats), (k_new, v_new) = layer_scan(body, carry0, xs._replace(k_cache=None, v_cache=None),
                                                       (state.k_cache, state.v_cache), unroll=unroll)
     hs, hs_scale = outs.store if refresh else (pol.hs, pol.hs_scale)
-    if refresh and suf:  # (the refreshed rows predict their own positions)
-        logits_suf, sel_suf = fam.lm_head(params, carry.pk_h[:, pre:], cfg), carry.pk_valid[:, pre:]
+    if refresh and suf:  # the refreshed suffix rows predict their own positions: one LM-head GEMM with the block's
+        both = fam.lm_head(params, jnp.concatenate([fam.head_rows(carry.h_blk, 0, block), carry.pk_h[:, pre:]], 1), cfg)
+        logits, logits_suf, sel_suf = fam.suppress(both[:, :block]), both[:, block:], carry.pk_valid[:, pre:]
     else:
-        head = jax.eval_shape(lambda h: fam.lm_head(params, h, cfg), carry.pk_h[:, pre:])  # (its vocabulary width)
-        logits_suf = jnp.zeros(head.shape, jnp.float32)
+        logits = fam.head_at(params, carry.h_blk, cfg, 0, block)
+        logits_suf = jnp.zeros(logits.shape[:1] + (suf,) + logits.shape[2:], jnp.float32)
         sel_suf = jnp.zeros((b, suf), bool)
     moved = jnp.where(cluster_rows[None, :], (stats.n_read + stats.n_fetch)[:, None], 0).astype(jnp.int32)
-    out = StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, outs.s_prev, None, None, None, logits_suf,
+    out = StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, outs.s_prev, None, None, logits, logits_suf,
                          sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved)
     return StepLayers(carry.h_blk, carry.q_blk, carry.k_rot, out)
 
 
 def step_tail(params, state: DecodeState, cfg: ModelConfig, pc: PolestarConfig, block: int,
               lay: StepLayers) -> StepForwardOut:
-    """The token drift of the last layer's block attention and the block logits, after the layer pass (one
-    copy in the program, whichever layer pass ran)."""
+    """The token drift of the last layer's block attention, after the layer pass (one copy in the program,
+    whichever layer pass ran; the layer pass computed the block logits, with the suffix rows' in one LM-head
+    GEMM when it refreshed)."""
     drift, p_blk = kl_drift(lay.q_blk, lay.k_rot, state.key_valid, state.policy_state.p_prev, mode="token",
                             backend=pc.kernels)
-    logits = family_of(cfg).head_at(params, lay.h_blk, cfg, 0, block)
-    return lay.out._replace(p_blk=p_blk, drift=drift, logits=logits)
+    return lay.out._replace(p_blk=p_blk, drift=drift)
 
 
 def step_forward(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
