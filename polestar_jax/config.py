@@ -618,6 +618,10 @@ KERNELS = Kernels.choices()
 OFFLOAD_HIDDEN = OffloadHidden.choices()
 
 
+#: Platform names of GPU programs (``jax.Device.platform``, ``jax.default_backend()``): what the engine
+#: compiles differently for a GPU (its XLA options, one refresh width, no row chunks) keys on these.
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
 #: Compiled refresh sizes per stage when ``PolestarConfig.refresh_buckets`` is none (1 on a GPU:
 #: :meth:`PolestarConfig.for_platform`).
 REFRESH_BUCKETS = 4
@@ -699,8 +703,7 @@ class PolestarConfig:
         step reads every weight whatever rows it computes and each size's branch would copy them."""
         if self.refresh_buckets is not None:
             return self
-        gpu = platform in ("gpu", "cuda", "rocm")
-        return dataclasses.replace(self, refresh_buckets=1 if gpu else REFRESH_BUCKETS)
+        return dataclasses.replace(self, refresh_buckets=1 if platform in GPU_PLATFORMS else REFRESH_BUCKETS)
 
     def validate(self) -> None:
         def need(cond: bool, msg: str):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from polestar_jax.config import GPU_PLATFORMS
 from polestar_jax.decode.policy import (POLICIES, BlockCtx, EngineSpec, Knobs, Policy,  # noqa: F401 (re-exported)
                                         block_start_position, context, live_rows, write_commits)
 from polestar_jax.decode.rows import ROWS, batch_any
@@ -90,10 +91,6 @@ def _end_block(spec: EngineSpec, cs, live, new: DecodeState, old: DecodeState) -
         hit = jnp.any(jnp.isin(blk, jnp.asarray(spec.stop_ids, blk.dtype)), axis=1)
         stop = stop | (live & hit & ~jnp.any(blk == spec.model.mask_token_id, axis=1))
     return new.replace(block=old.block + live.astype(jnp.int32), stop=stop)
-
-
-#: Platform names of GPU programs (``jax.Device.platform``, ``jax.default_backend()``).
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def compact_width(batch: int, spec: EngineSpec, sharded: bool = False, platform: Optional[str] = None) -> int:

@@ -59,6 +59,11 @@ class DecodeState:
     policy_state: Optional[Any] = flax.struct.field(default=None)
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``: shapes and dtypes only)."""
+    return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
 class PolicyState(NamedTuple):
     """The hooks through which a policy keeps its own part of the decode state (``DecodeState.policy_state``):
     the generic state, the block program, the engine and the memory plan call these and name no policy.

@@ -35,7 +35,7 @@ from jax import lax
 from polestar_jax.engine import executables, snapshot
 from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block
 from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
-from polestar_jax.config import DecodeConfig, ModelConfig
+from polestar_jax.config import GPU_PLATFORMS, DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
 from polestar_jax.sharding import to_host
 from polestar_jax.decode.layout import init_decode_state, own_state, state_layout
@@ -94,7 +94,7 @@ COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_me
 
 def compiler_options(platform: Optional[str]) -> Optional[dict]:
     """The XLA options the engine compiles with for ``platform`` (None: XLA's defaults)."""
-    return COMPILER_OPTIONS.get({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform))
+    return COMPILER_OPTIONS.get("gpu" if platform in GPU_PLATFORMS else platform)
 
 
 def platform_of(key) -> Optional[str]:

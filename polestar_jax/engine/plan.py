@@ -13,7 +13,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from polestar_jax.config import DecodeConfig, ModelConfig
 
@@ -50,15 +49,12 @@ class MemoryPlan:
         return out
 
 
-def _nbytes(tree) -> int:
-    return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
-
-
 def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int = 128, dtype="bfloat16",
          compile_step: bool = True) -> MemoryPlan:
     """Plans one generation of ``batch`` prompts of ``prompt_len`` tokens."""
     from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
     from polestar_jax.decode.layout import init_decode_state, own_state
+    from polestar_jax.decode.state import tree_bytes
 
     dt = jnp.dtype(dtype)
     from polestar_jax.io.checkpoint import param_shapes
@@ -67,7 +63,7 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dt), param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
     state = init_decode_state(cfg, dcfg, [[0] * prompt_len] * batch, prompt_len, dtype=dt, abstract=True)
-    kv = _nbytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
+    kv = tree_bytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
     hs = other = transient = 0
     hs_memory = "device"
     own = own_state(dcfg.decoder)
@@ -86,5 +82,5 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
         if ma is not None:
             compiled = {k: int(getattr(ma, k + "_size_in_bytes")) for k in
                         ("argument", "output", "temp", "generated_code") if hasattr(ma, k + "_size_in_bytes")}
-    return MemoryPlan(_nbytes(params), kv, hs, other, _nbytes(state), compiled, secs, dt == jnp.bfloat16,
+    return MemoryPlan(tree_bytes(params), kv, hs, other, tree_bytes(state), compiled, secs, dt == jnp.bfloat16,
                       hs_memory, transient)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from polestar_jax.compat import compute_on_host
-from polestar_jax.config import PolestarConfig
+from polestar_jax.config import GPU_PLATFORMS, PolestarConfig
 from polestar_jax.kernels.refresh import dequantize_rows, gather_rows, quantize_rows, scatter_rows
 
 HOST_MEMORY_KIND = "pinned_host"
@@ -46,7 +46,7 @@ __all__ = ["HOST_MEMORY_KIND", "NO_HOST_STORE_PLATFORMS", "host_store_supported"
 #: 0.11.2) XLA failed to compile the refresh step with the store in host memory (a layout-assignment error
 #: on the layer scan's memory-space annotations), while the block start and the plain step compiled
 #: (bench/README.md, GPU check).
-NO_HOST_STORE_PLATFORMS = ("gpu", "cuda", "rocm")
+NO_HOST_STORE_PLATFORMS = GPU_PLATFORMS
 
 
 def host_store_supported(dev) -> bool:

@@ -13,11 +13,10 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from polestar_jax.decode.polestar import offload
 from polestar_jax.decode.polestar.offload import store_dtype
-from polestar_jax.decode.state import PolicyState
+from polestar_jax.decode.state import PolicyState, tree_bytes
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.axes import LAYER_BATCH, axes
 
@@ -162,10 +161,9 @@ def _stats(pol: PolestarState) -> dict:
 
 
 def _memory(pol: PolestarState, batch: int, pc: PolestarConfig) -> dict:
-    nbytes = lambda tree: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
-    store = nbytes((pol.hs, pol.hs_scale))
+    store = tree_bytes((pol.hs, pol.hs_scale))
     stored, host = store // batch, pc.offload_hidden != "none"
-    return {"stored": stored, "other": (nbytes(pol) - store) // batch,
+    return {"stored": stored, "other": (tree_bytes(pol) - store) // batch,
             "stored_memory": offload.HOST_MEMORY_KIND if host and offload.host_memory_available() else "device",
             "transient": stored // pol.hs.shape[0] if host else 0}
 
