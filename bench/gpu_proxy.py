@@ -40,6 +40,10 @@ Columns (``--json FILE``: a list of rows with these keys and a few more):
 * ``host_syncs_per_step``: host-run control flow per step: each iteration of a ``while`` without a known
   trip count and each ``conditional`` (XLA:GPU runs both from the host).
 
+Attention (``--attention``): by default the bf16 passes that need no attention probabilities trace cuDNN's
+fused attention, as they do on a GPU with cuDNN (:func:`trace_cudnn_attention`: this machine has no cuDNN,
+and the compile needs none); ``exact`` traces the exact path everywhere, as a GPU without cuDNN runs it.
+
 The proxy names its platform itself (``JAX_PLATFORMS=cpu`` before JAX starts), so a machine with the
 plugin and no GPU prints no CUDA/cuDNN errors; without the plugin it exits 2 with one line saying what to
 install. ``--dump DIR`` keeps each program's optimized HLO as ``DIR/<program>.hlo.txt``
@@ -88,6 +92,21 @@ def name_platform() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:
         sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def trace_cudnn_attention(on: bool) -> None:
+    """Whether the programs trace cuDNN's fused attention (``llada.attention``'s GPU path in bf16 passes that
+    need no probabilities), as a GPU with cuDNN compiles them. Tracing it asks JAX for the cuDNN library's
+    version; this machine has none, and the deviceless compile needs none (XLA:GPU keeps the fused-attention
+    custom call, modeled as one kernel reading Q, K, V and writing the output), so with ``on`` the version
+    check is skipped. Off: every program takes the exact path (the score tensors in memory)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    from polestar_jax.models import llada
+
+    if not hasattr(fa, "_proxy_check"):
+        fa._proxy_check = fa.check_cudnn_version
+    fa.check_cudnn_version = (lambda *a, **k: None) if on else fa._proxy_check
+    llada.cudnn_available.cache_clear()
 
 
 def plugin_problem() -> Optional[str]:
@@ -414,6 +433,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--from-dump", metavar="DIR", help="model the HLO of an earlier --dump DIR instead of compiling "
                     "(same --layers)")
     ap.add_argument("--layers", type=int, default=4, choices=(2, 4), help="LLaDA-8B layers built (default 4)")
+    ap.add_argument("--attention", default="cudnn", choices=("cudnn", "exact"),
+                    help="bf16 passes without probabilities: cuDNN's fused attention, as a GPU with cuDNN compiles "
+                    "them (default), or the exact path everywhere (the score tensors in memory)")
     ap.add_argument("--programs", default=",".join(PROGRAMS),
                     help="comma list (default: all) from: " + ", ".join(PROGRAMS))
     args = ap.parse_args(argv)
@@ -435,8 +457,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(problem, file=sys.stderr)
         return 2
     meta = provenance(argv)
+    meta["attention"] = args.attention
     t0 = time.perf_counter()
     try:
+        trace_cudnn_attention(args.attention == "cudnn")
         setup = make_setup(args.layers)
     except Exception as e:  # noqa: BLE001 - a plugin that cannot build the target: one line, no traceback
         print(f"bench.gpu_proxy cannot build the H200 target: {type(e).__name__}: {e}".splitlines()[0],

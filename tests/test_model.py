@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -240,3 +241,43 @@ def test_fused_attention_equals_the_exact_path(dtype):
     # on a machine without cuDNN every program takes the exact path, bit for bit
     if not llada.cudnn_available():
         np.testing.assert_array_equal(np.asarray(llada.attention(q, k, v, valid), np.float32), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rotated_cache_gives_the_keys_rotated_at_every_step_bit_for_bit(dtype):
+    """A cache of rotated keys (rotated once, where each row is written: ``rotated_cache=True``, what the
+    Fast-dLLM caches hold) gives the same step as a cache of un-rotated keys rotated at every step: the full
+    pass's cache is the un-rotated one rotated at the slots' positions, and a cached step of a block (with a
+    masked write) gives the same logits and the same cache (left padding, GQA, jitted): bit for bit in
+    bfloat16; in float32 the full pass's cache is bit for bit too, while a step's rows may round in the last
+    bit where XLA:CPU contracts the rotation's multiply-add in another fusion (docs/differences.md#d46)."""
+    cfg = _small_cfg(2)
+    params = jax.tree.map(lambda a: a.astype(dtype), _random_params(cfg, 3))
+    b, length, cs, blk = 2, 24, 8, 8
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 62, (b, length)), jnp.int32)
+    pad = jnp.asarray([[0], [3]])
+    valid = jnp.arange(length)[None, :] >= pad
+    pos = jnp.broadcast_to(jnp.arange(length)[None, :] - pad, (b, length)).astype(jnp.int32)
+    shape = (cfg.n_layers, b, cfg.n_kv_heads, length, cfg.head_dim)
+    empty = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    write = jnp.asarray([[True] * blk, [False, True] * (blk // 2)])  # row 1 keeps half its cached block
+
+    @functools.partial(jax.jit, static_argnames="rotated")
+    def run(params, ids, rotated):
+        full = M.forward(params, ids, cfg, pos, pos, valid, into=empty, rotated_cache=rotated)
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, cs, blk, axis=1)
+        step = M.forward(params, sl(ids), cfg, sl(pos), pos, valid, full.kv, start=cs, write=write,
+                         rotated_cache=rotated)
+        return full.kv, M.lm_head(params, step.h, cfg), step.kv
+
+    (k0, v0), logits0, (sk0, sv0) = run(params, ids, rotated=False)
+    (k1, v1), logits1, (sk1, sv1) = run(params, ids, rotated=True)
+    rot = jax.jit(lambda k: M.Rope.at(pos, cfg).rotate(k))
+    np.testing.assert_array_equal(np.asarray(k1), np.asarray(jax.vmap(rot)(k0)))
+    np.testing.assert_array_equal(np.asarray(v1), np.asarray(v0))
+    same = (np.testing.assert_array_equal if dtype == jnp.bfloat16 else
+            functools.partial(np.testing.assert_allclose, rtol=2e-6, atol=2e-6))
+    same(np.asarray(sk1, np.float32), np.asarray(jax.vmap(rot)(sk0), np.float32))
+    same(np.asarray(sv1, np.float32), np.asarray(sv0, np.float32))
+    same(np.asarray(logits1), np.asarray(logits0))
+    assert not np.array_equal(np.asarray(sk1), np.asarray(sk0))  # (the step's cache does hold rotated keys)

@@ -27,11 +27,12 @@ from polestar_jax.decode.state import DecodeState
 
 def full_forward(params, state: DecodeState, spec: EngineSpec, cs, keep_cache: bool):
     """Forward of the whole sequence; returns block logits [b, B, V] and (when ``keep_cache``) the state
-    with its K/V cache replaced by this pass's K/V."""
+    with its K/V cache replaced by this pass's K/V. The Fast-dLLM caches hold rotated keys (rotated once,
+    where they are written: ``llada.layer``'s ``rotated_cache``), so a cached step rotates only its rows."""
     cfg = spec.model
     fam = family_of(cfg)
     out = fam.forward(params, state.x, cfg, state.pos, state.pos, state.key_valid, unroll=spec.unroll,
-                      into=(state.k_cache, state.v_cache) if keep_cache else None)
+                      into=(state.k_cache, state.v_cache) if keep_cache else None, rotated_cache=keep_cache)
     if keep_cache:
         state = state.replace(k_cache=out.kv[0], v_cache=out.kv[1])
     return fam.head_at(params, out.h, cfg, cs, spec.block_length), state
@@ -45,7 +46,7 @@ def cached_forward(params, state: DecodeState, spec: EngineSpec, cs):
     blk = lambda a: jax.lax.dynamic_slice_in_dim(a, cs, B, axis=1)
     if spec.cache == "dual":
         out = fam.forward(params, blk(state.x), cfg, blk(state.pos), state.pos, state.key_valid, cache, start=cs,
-                          unroll=spec.unroll)
+                          unroll=spec.unroll, rotated_cache=True)
         return fam.head_at(params, out.h, cfg, 0, B), state.replace(k_cache=out.kv[0], v_cache=out.kv[1])
     # prefix cache: recompute every generated position from the block start on against the cached prefix
     # (queries are the whole static generation region; rows before the block keep their cached K/V, and
@@ -53,7 +54,7 @@ def cached_forward(params, state: DecodeState, spec: EngineSpec, cs):
     p0 = state.x.shape[1] - spec.gen_length
     write = jnp.broadcast_to(jnp.arange(spec.gen_length) >= cs - p0, (state.x.shape[0], spec.gen_length))
     out = fam.forward(params, state.x[:, p0:], cfg, state.pos[:, p0:], state.pos, state.key_valid, cache,
-                      start=p0, write=write, unroll=spec.unroll)
+                      start=p0, write=write, unroll=spec.unroll, rotated_cache=True)
     return fam.head_at(params, out.h, cfg, cs - p0, B), state
 
 

@@ -37,7 +37,8 @@ class DecodeState:
     block        [b]    int32   the row's next block (per-row progress: rows of a batch may sit at different blocks).
     n_blocks     [b]    int32   the row's number of blocks (its generation length / block length; 0: a free slot).
     stop         [b]    bool    the row ended early: a finished block held one of the stop tokens (early exit).
-    k_cache, v_cache  [N, b, KV, L, hd] or None: un-rotated K/V of the last full pass / step.
+    k_cache, v_cache  [N, b, KV, L, hd] or None: K/V of the last full pass / step (keys un-rotated for
+                 Polestar, rotated for the Fast-dLLM caches: docs/differences.md#d46).
     policy_state the decoding policy's own part (:class:`PolicyState` hooks build and place it; Polestar's
                  clusters, hidden-state store and drift state), or None for a policy that keeps none.
     """

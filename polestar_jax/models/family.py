@@ -58,7 +58,8 @@ class Family:
         return PolestarConfig(**{**dict(self.polestar_defaults), **given})
 
     def cache_shape(self, cfg: ModelConfig, b: int, length: int) -> tuple[int, ...]:
-        """[N, b, KV, L, hd]: K (or V) of every layer, un-rotated."""
+        """[N, b, KV, L, hd]: K (or V) of every layer (keys before or after RoPE: ``llada.layer``'s
+        ``rotated_cache``)."""
         return (cfg.n_layers, b, cfg.n_kv_heads, length, cfg.head_dim)
 
     def head_rows(self, h: jax.Array, start, length: int) -> jax.Array:

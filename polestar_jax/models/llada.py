@@ -16,8 +16,10 @@ linear weights are stored ``[in, out]``)::
     ln_f     [D]             blocks/ff_norm   [N, D]     blocks/wv [N, D, KV*hd]  blocks/wo [N, H*hd, D]
     lm_head  [D, V]          blocks/w_gate    [N, D, F]  blocks/w_up [N, D, F]    blocks/w_down [N, F, D]
 
-The KV cache convention follows the PyTorch code: keys are stored *before* RoPE and rotated with their
-absolute positions on every forward.
+The KV cache holds keys *before* RoPE (the PyTorch code's convention; Polestar's cluster drift reads them
+so) or, with ``rotated_cache=True`` (the Fast-dLLM caches), *after* RoPE: rotated once where the rows are
+written, so a cached step reads them as they are instead of rotating every cached key again. RoPE is
+elementwise in each key and its position, so both give the same rotated keys bit for bit.
 """
 from __future__ import annotations
 
@@ -120,7 +122,10 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optiona
     """:func:`attention` through ``jax.nn.dot_product_attention`` (``implementation`` "cudnn": flash attention
     on a GPU, bf16 / fp16; "xla" anywhere, for tests): ``q`` [b, H, T, hd], ``k``/``v`` [b, KV, L, hd] (GQA
     as is), ``key_valid`` [b, L] -> [b, H, T, hd]."""
-    mask = None if key_valid is None else key_valid[:, None, None, :]  # [b, 1, 1, L]
+    # [b, 1, T, L]: cuDNN takes a mask only with both sequence lengths (a [b, 1, 1, L] one fails to trace
+    # wherever T != L: every cached step)
+    b, _, t, _ = q.shape
+    mask = None if key_valid is None else jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, t, k.shape[2]))
     out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                        mask=mask, implementation=implementation)
     return out.transpose(0, 2, 1, 3)
@@ -176,8 +181,9 @@ class Rope(NamedTuple):
 
 
 class Keys(NamedTuple):
-    """A layer's keys and values over all L positions: un-rotated ``k`` / ``v`` [b, KV, L, hd] (what the
-    cache stores) and the rotated keys ``k_rot`` the queries attend to."""
+    """A layer's keys and values over all L positions: ``k`` / ``v`` [b, KV, L, hd] (what the cache stores:
+    un-rotated keys, or with ``rotated_cache`` the rotated ones) and the rotated keys ``k_rot`` the queries
+    attend to."""
 
     k: jax.Array
     v: jax.Array
@@ -202,6 +208,7 @@ def layer(
     keys: Optional[Keys] = None,
     return_probs: bool = False,
     *,
+    rotated_cache: bool = False,
     q_proj: Callable[..., jax.Array] = None,
     kv_proj: Callable[..., tuple] = None,
     mlp: Callable[..., jax.Array] = None,
@@ -213,26 +220,82 @@ def layer(
     without ``write`` the rows are the whole sequence (T == L); ``write(k, v)`` places the rows' fresh K/V
     [b, KV, T, hd] into the cache and returns the layer's full K/V [b, KV, L, hd] (a slice update, a row
     scatter, ...). Then the queries attend over all L keys (rotated with ``k_rope``) and the output
-    projection and SwiGLU MLP finish the layer. ``q_proj`` / ``kv_proj``: the family's query and key/value
+    projection and SwiGLU MLP finish the layer. ``rotated_cache``: the cache holds rotated keys (the rows'
+    keys are rotated with their own tables ``q_rope`` before ``write``; without ``write``, with ``k_rope``),
+    and the returned ``keys.k`` is ``keys.k_rot``. ``q_proj`` / ``kv_proj``: the family's query and key/value
     projections (default: LLaDA's :func:`project_q` / :func:`project_kv`; Dream adds biases); ``mlp``: its
     MLP block of the normed rows (default :func:`swiglu`; LLaDA-MoE's routed experts).
     """
     q_proj, kv_proj = q_proj or project_q, kv_proj or project_kv
     if keys is None:
         k, v = kv_proj(lp, h, cfg)
+        if rotated_cache:
+            k = (k_rope if write is None else q_rope).rotate(k)
         if write is not None:
             k, v = write(k, v)
-        keys = Keys(k, v, k_rope.rotate(k))
+        keys = Keys(k, v, k if rotated_cache else k_rope.rotate(k))
     q_rot = q_rope.rotate(q_proj(lp, h, cfg))
     att = attention(q_rot, keys.k_rot, keys.v, key_valid, return_probs=return_probs)
     a, probs = att if return_probs else (att, None)
     return LayerOut(finish_layer(lp, h, a, cfg, mlp), keys, q_rot, probs)
 
 
-def slice_write(cache: tuple[jax.Array, jax.Array], start: Any, mask: Optional[jax.Array] = None):
+class CacheSlot(NamedTuple):
+    """Every layer's K/V buffers (``buffers``: a pytree of [N, ...] arrays, the K/V cache [N, b, KV, L, hd])
+    and the layer ``i`` a :func:`layer_scan` step is at."""
+
+    buffers: Any
+    i: jax.Array  # [] int32
+
+    def layer(self) -> Any:
+        """Layer ``i``'s buffers (each [...] without the layer axis)."""
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, self.i, 0, keepdims=False), self.buffers)
+
+    def put_layer(self, new: Any) -> "CacheSlot":
+        """The slot with layer ``i``'s buffers replaced by ``new`` (whole)."""
+        return self._replace(buffers=jax.tree.map(
+            lambda a, u: lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), self.i, 0), self.buffers, new))
+
+    def rows(self, start: Any, t: int, axis: int) -> Any:
+        """Entries ``[start, start + t)`` along ``axis`` (of a layer's buffer) of layer ``i``'s buffers."""
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(
+            lax.dynamic_slice_in_dim(a, start, t, axis=axis + 1), self.i, 0, keepdims=False), self.buffers)
+
+    def put_rows(self, new: Any, start: Any, axis: int) -> "CacheSlot":
+        """The slot with ``new`` written at ``[start, start + T)`` along ``axis`` of layer ``i``'s buffers, in
+        place: only the rows move (a whole-layer copy would move the layer's cache twice per layer)."""
+
+        def put(a, u):
+            idx = [jnp.int32(0)] * a.ndim
+            idx[0], idx[axis + 1] = self.i, jnp.asarray(start, jnp.int32)
+            return lax.dynamic_update_slice(a, u.astype(a.dtype)[None], idx)
+
+        return self._replace(buffers=jax.tree.map(put, self.buffers, new))
+
+
+class SlotWrite:
+    """A :func:`layer` ``write`` into a :class:`CacheSlot` (see :func:`slice_write`); after the layer called it,
+    ``slot`` is the slot with the rows written (what a :func:`layer_scan` body returns)."""
+
+    def __init__(self, slot: CacheSlot, start: Any, mask: Optional[jax.Array]):
+        self.slot, self.start, self.mask = slot, start, mask
+
+    def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.mask is not None:
+            old_k, old_v = self.slot.rows(self.start, k.shape[2], axis=2)
+            w = self.mask[:, None, :, None]
+            k, v = jnp.where(w, k, old_k), jnp.where(w, v, old_v)
+        self.slot = self.slot.put_rows((k, v), self.start, axis=2)
+        return self.slot.layer()
+
+
+def slice_write(cache: Any, start: Any, mask: Optional[jax.Array] = None):
     """A :func:`layer` ``write`` that puts the rows' K/V at ``[start, start + T)`` of ``cache`` (K, V)
     [b, KV, L, hd] (Fast-dLLM's ``replace_position``); where ``mask`` [b, T] is False the cached entry is
-    kept."""
+    kept. ``cache`` a :class:`CacheSlot` (inside :func:`layer_scan`): the rows are written into the stacked
+    buffers in place and the writer's ``slot`` holds them (a :class:`SlotWrite`)."""
+    if isinstance(cache, CacheSlot):
+        return SlotWrite(cache, start, mask)
 
     def write(k, v):
         if mask is not None:
@@ -258,8 +321,11 @@ def lm_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def layer_scan(body: Callable, carry: Any, xs: Any, buffers: Any, unroll: int | bool = 1):
     """``lax.scan`` over the layers (the leading axis of ``xs`` and of every ``buffers`` leaf, [N, ...]),
-    where ``buffers`` (the K/V cache) ride in the carry and each layer's slice is replaced in place:
-    ``body(carry, x, layer_buffers) -> (carry, y, new_layer_buffers)``. Returns ``(carry, ys, buffers)``.
+    where ``buffers`` (the K/V cache) ride in the carry and are updated in place:
+    ``body(carry, x, slot) -> (carry, y, new)`` with ``slot`` a :class:`CacheSlot` (the buffers and the
+    layer index) and ``new`` either the slot with its writes (:meth:`CacheSlot.put_rows`, a
+    :class:`SlotWrite`'s ``slot``: only the written rows move) or the layer's new buffers (replaced whole).
+    Returns ``(carry, ys, buffers)``.
 
     Passed as scan inputs and outputs instead, a vmap over rows (a running batch's per-row program,
     :func:`polestar_jax.decode.block.decode_block`) would move the cache's batch axis to 1 for the scan and back
@@ -268,9 +334,9 @@ def layer_scan(body: Callable, carry: Any, xs: Any, buffers: Any, unroll: int | 
 
     def step(c, x):
         inner, bufs, i = c
-        layer_bufs = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), bufs)
-        inner, y, new = body(inner, x, layer_bufs)
-        bufs = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0), bufs, new)
+        slot = CacheSlot(bufs, i)
+        inner, y, new = body(inner, x, slot)
+        bufs = (new if isinstance(new, CacheSlot) else slot.put_layer(new)).buffers
         return (inner, bufs, i + 1), y
 
     (carry, buffers, _), ys = lax.scan(step, (carry, buffers, jnp.int32(0)), xs, unroll=unroll)
@@ -298,6 +364,7 @@ def forward(
     collect_hidden: bool = False,
     unroll: int | bool = 1,
     *,
+    rotated_cache: bool = False,
     layer_fn: Optional[Callable[..., LayerOut]] = None,
     into: Optional[tuple[jax.Array, jax.Array]] = None,
     embeds: Optional[jax.Array] = None,
@@ -312,14 +379,15 @@ def forward(
     state's cache: a full pass overwrites it in place); the returned ``kv`` is them.
     ``embeds``: the input rows [b, T, D] themselves instead of ``embed(params, ids)`` (LLaDA-V's spliced
     prompt rows; ``ids`` is then not read).
+    ``rotated_cache``: ``cache`` holds rotated keys, and so do the returned ``kv`` (:func:`layer`).
     """
     q_rope, k_rope = Rope.at(q_pos, cfg), Rope.at(key_pos, cfg)
     h0 = embed(params, ids) if embeds is None else embeds
 
-    def body(h, lp, layer_cache):
-        w = None if cache is None else slice_write(layer_cache, start, write)
-        out = (layer_fn or layer)(lp, h, cfg, q_rope, k_rope, key_valid, write=w)
-        return out.h, (h if collect_hidden else None), (out.keys.k, out.keys.v)
+    def body(h, lp, slot):
+        w = None if cache is None else slice_write(slot, start, write)
+        out = (layer_fn or layer)(lp, h, cfg, q_rope, k_rope, key_valid, write=w, rotated_cache=rotated_cache)
+        return out.h, (h if collect_hidden else None), (w.slot if w is not None else (out.keys.k, out.keys.v))
 
     buffers = cache if cache is not None else into
     if buffers is None:  # a plain forward: the K/V are the scan's outputs

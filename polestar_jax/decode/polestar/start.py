@@ -98,8 +98,9 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
     q_rope, k_rope = Rope.at(rows.q_pos, cfg), Rope.at(state.pos, cfg)
     kept = None if keep is None else kept_outside_window(state, geo, pc, block, keep)[:, None, :, None]
 
-    def layer(carry, lp, kv):
+    def layer(carry, lp, slot):
         h, _ = carry
+        kv = slot.layer()  # (a block start writes every row of the layer: the slot takes it whole)
         hs = rows_at(h, rows.store_rows)  # [b, R, D]
         write = None
         if kept is not None:  # (the K/V cache rides in the scan's carry: model.layer_scan)

@@ -32,7 +32,7 @@ from polestar_jax.decode.polestar.drift import proxy_inputs
 from polestar_jax.models.family import Family, family_of
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
-from polestar_jax.models.llada import Keys, Rope, layer_scan, slice_write
+from polestar_jax.models.llada import CacheSlot, Keys, Rope, layer_scan, slice_write
 from polestar_jax.decode.polestar.offload import fetch_rows, uses_host, write_rows
 from polestar_jax.decode.polestar.state import Geometry, rows_at
 from polestar_jax.decode.state import DecodeState
@@ -164,18 +164,22 @@ class LayerStats(NamedTuple):
     n_fetch: jax.Array  # [] stage-2 width
 
 
-def _write_block(ctx: StepCtx, xs: LayerIn):
-    return slice_write((xs.k_cache, xs.v_cache), ctx.geo.cs, mask=ctx.write_rows[:, None])
+def _write_block(ctx: StepCtx, cache):
+    """The block rows' K/V write of a step (active rows only) into ``cache``: the layer's (K, V), or the
+    layer scan's :class:`~polestar_jax.models.llada.CacheSlot` (written in place)."""
+    return slice_write(cache, ctx.geo.cs, mask=ctx.write_rows[:, None])
 
 
-def plain_layer(ctx: StepCtx, carry: Carry, xs: LayerIn) -> tuple[Carry, tuple]:
-    """A layer of a step without refresh: the block rows only."""
-    out = ctx.fam.layer(xs.lp, carry.h_blk, ctx.cfg, ctx.blk_rope, ctx.k_rope, ctx.key_valid, write=_write_block(ctx, xs))
+def plain_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, slot: CacheSlot) -> tuple[Carry, tuple]:
+    """A layer of a step without refresh: the block rows only (their K/V written into ``slot`` in place;
+    the returned outputs' ``k`` is the updated slot, ``v`` None)."""
+    write = _write_block(ctx, slot)
+    out = ctx.fam.layer(xs.lp, carry.h_blk, ctx.cfg, ctx.blk_rope, ctx.k_rope, ctx.key_valid, write=write)
     b, kdim = carry.h_blk.shape[0], ctx.pc.n_clusters
     no = jnp.zeros((b, kdim), bool)
     stats = LayerStats(jnp.full((b, kdim), -jnp.inf), no, no, jnp.zeros((b,), jnp.int32), jnp.int32(0), jnp.int32(0))
     return (carry._replace(h_blk=out.h, q_blk=out.q_rot, k_rot=out.keys.k_rot),
-            (LayerOutputs(out.keys.k, out.keys.v, (), xs.centroids, xs.s_prev), stats))
+            (LayerOutputs(write.slot, None, (), xs.centroids, xs.s_prev), stats))
 
 
 class Packet(NamedTuple):
@@ -222,7 +226,7 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
     old = jnp.where(patch[..., None], got, jnp.zeros((), dt))
     cent = centroid_shift(xs.centroids, xs.labels, xs.counts, patch, old, carry.pk_h, backend=pc.kernels)
     k, v = ctx.fam.project_kv(xs.lp, jnp.concatenate([carry.h_blk, carry.pk_h], axis=1), ctx.cfg)
-    kk, vv = _write_block(ctx, xs)(k[:, :, :ctx.block], v[:, :, :ctx.block])
+    kk, vv = _write_block(ctx, (xs.k_cache, xs.v_cache))(k[:, :, :ctx.block], v[:, :, :ctx.block])
     # K/V of every packet row (LLaDA), or only of those clustered here, as the store patch (Dream)
     wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
     kk = scatter_kv_rows(kk, k[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
@@ -349,10 +353,12 @@ def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc:
     store = (pol.hs, pol.hs_scale) if refresh else ()
     xs = LayerIn(params["blocks"], state.k_cache, state.v_cache, store, pol.labels, pol.centroids, pol.counts,
                  pol.n_clusters, pol.s_prev, forced[0], forced[1], jnp.arange(n_layers))
-    layer_fn = (lambda c, x: refresh_layer(ctx, c, x, dt)) if refresh else (lambda c, x: plain_layer(ctx, c, x))
-
-    def body(c, x, kv):  # the K/V cache rides in the scan's carry (model.layer_scan)
-        c, (outs, stats) = layer_fn(c, x._replace(k_cache=kv[0], v_cache=kv[1]))
+    def body(c, x, slot):  # the K/V cache rides in the scan's carry (model.layer_scan)
+        if not refresh:  # the block rows' K/V written in place
+            c, (outs, stats) = plain_layer(ctx, c, x, slot)
+            return c, (outs._replace(k=None, v=None), stats), outs.k
+        kv = slot.layer()  # (a refresh also patches packet rows: the layer's K/V are replaced whole)
+        c, (outs, stats) = refresh_layer(ctx, c, x._replace(k_cache=kv[0], v_cache=kv[1]), dt)
         return c, (outs._replace(k=None, v=None), stats), (outs.k, outs.v)
 
     carry, (outs, stats), (k_new, v_new) = layer_scan(body, carry0, xs._replace(k_cache=None, v_cache=None),
