@@ -40,9 +40,9 @@ Columns (``--json FILE``: a list of rows with these keys and a few more):
 * ``host_syncs_per_step``: host-run control flow per step: each iteration of a ``while`` without a known
   trip count and each ``conditional`` (XLA:GPU runs both from the host).
 
-Attention (``--attention``): by default the bf16 passes that need no attention probabilities trace cuDNN's
-fused attention, as they do on a GPU with cuDNN (:func:`trace_cudnn_attention`: this machine has no cuDNN,
-and the compile needs none); ``exact`` traces the exact path everywhere, as a GPU without cuDNN runs it.
+Attention (``--attention``): ``exact`` (the default) traces the exact path everywhere, as a GPU without cuDNN
+runs it; ``cudnn``: the bf16 passes that need no attention probabilities trace cuDNN's fused attention, as on
+a GPU with cuDNN (:func:`trace_cudnn_attention`: this machine has no cuDNN, and the compile needs none).
 
 The proxy names its platform itself (``JAX_PLATFORMS=cpu`` before JAX starts), so a machine with the
 plugin and no GPU prints no CUDA/cuDNN errors; without the plugin it exits 2 with one line saying what to
@@ -433,9 +433,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--from-dump", metavar="DIR", help="model the HLO of an earlier --dump DIR instead of compiling "
                     "(same --layers)")
     ap.add_argument("--layers", type=int, default=4, choices=(2, 4), help="LLaDA-8B layers built (default 4)")
-    ap.add_argument("--attention", default="cudnn", choices=("cudnn", "exact"),
+    ap.add_argument("--attention", default="exact", choices=("cudnn", "exact"),
                     help="bf16 passes without probabilities: cuDNN's fused attention, as a GPU with cuDNN compiles "
-                    "them (default), or the exact path everywhere (the score tensors in memory)")
+                    "them, or the exact path everywhere (the score tensors in memory; default: comparable with earlier runs)")
     ap.add_argument("--programs", default=",".join(PROGRAMS),
                     help="comma list (default: all) from: " + ", ".join(PROGRAMS))
     args = ap.parse_args(argv)
