@@ -23,9 +23,12 @@ host in order, ``model`` = one host's chips (tensor parallel within a host), ``d
 batch split across hosts): ``v5e:1x1`` and ``v6e:1x1`` one chip, ``v5e:2x2`` (one host, 4 chips)
 ``data=1,model=4``, ``v5e:4x4`` (4 hosts of 4 chips, multi-host) ``data=4,model=4``.
 
-On a mesh of more than one chip Polestar compiles with its kernels as the jnp references: the engine calls
-its Pallas kernels without a ``shard_map`` around them, and XLA cannot partition a Mosaic kernel
-("Mosaic kernels cannot be automatically partitioned"); the row's ``kernels`` says which form compiled.
+On a mesh of several chips each Mosaic kernel runs per shard (XLA cannot partition a Mosaic call itself:
+the engine lowers its programs under the mesh and :mod:`kernels.backend` wraps each kernel call in a
+``shard_map``, the rows split over ``data``, replicated over ``model``).
+
+``--resume`` keeps the rows of an earlier ``--json FILE`` and compiles only the (program, target) pairs it
+lacks (a long matrix on a busy machine, in several runs; the meta file keeps every run's provenance).
 
 Columns (``--json FILE``: a list of rows; the run's date, command, versions and load beside it, FILE's
 name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``kernels``, ``compile_seconds``,
@@ -202,9 +205,8 @@ def oom_bytes(message: str) -> Optional[int]:
     return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GIB, "T": 1 << 40}[m.group(2)])
 
 
-def compile_row(engine, name: str, target: Target, mesh) -> dict:
+def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto") -> dict:
     """The row of program ``name`` on ``target`` (see the module docstring)."""
-    kernels = "auto" if mesh.size == 1 else "reference"
     row: dict[str, Any] = {"program": name, "target": target.name, "mesh": mesh_text(mesh),
                            "kernels": kernels if name.startswith("block_polestar") else "none",
                            "hbm_bytes": target.hbm_bytes}
@@ -226,18 +228,26 @@ def compile_row(engine, name: str, target: Target, mesh) -> dict:
 
 
 def run(targets: list[str], programs: list[str], layers: Optional[int] = None, smoke: bool = False,
-        log: Callable[[str], None] = _log, done: Callable[[list], None] = lambda rows: None) -> list[dict]:
-    """Compiles ``programs`` for each of ``targets``; a program that fails otherwise is a row with its
-    ``error`` (one line). ``done(rows)`` is called after each row (the rows so far)."""
+        log: Callable[[str], None] = _log, done: Callable[[list], None] = lambda rows: None,
+        rows: Optional[list[dict]] = None) -> list[dict]:
+    """Compiles ``programs`` for each of ``targets`` (the pairs ``rows`` already holds are kept, not compiled
+    again); a program that fails otherwise is a row with its ``error`` (one line). ``done(rows)`` is called
+    after each row (the rows so far, in target then program order)."""
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)  # (every program compiles here)
     cfg = model_config(layers, smoke)
-    rows: list[dict] = []
+    rows = list(rows or [])
+    have = {(r["program"], r["target"]) for r in rows if "error" not in r}
+    rows = [r for r in rows if (r["program"], r["target"]) in have and "error" not in r]
+    order = lambda r: (list(TARGETS).index(r["target"]), PROGRAMS.index(r["program"]))
     for target in targets:
+        todo = [name for name in programs if (name, target) not in have]
+        if not todo:
+            continue
         mesh = topology_mesh(target)
         engine = make_engine(cfg, mesh)
-        for name in programs:
+        for name in todo:
             log(f"[tpu_proxy] {name} on {target} ({mesh_text(mesh)}, {cfg.n_layers} layers) ...")
             try:
                 row = compile_row(engine, name, TARGETS[target], mesh)
@@ -250,6 +260,7 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
                 log(f"  error: {row['error']}")
             row["layers"] = cfg.n_layers
             rows.append(row)
+            rows.sort(key=order)
             engine.clear()  # (one compiled program held at a time)
             done(rows)
     return rows
@@ -297,6 +308,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     + ", ".join(TARGETS))
     ap.add_argument("--programs", default=",".join(PROGRAMS),
                     help="comma list (default: all) from: " + ", ".join(PROGRAMS))
+    ap.add_argument("--resume", action="store_true", help="keep the rows of --json FILE and compile only the "
+                    "(program, target) pairs it lacks")
     ap.add_argument("--layers", type=int, default=None, help="LLaDA-8B layers built (default: all 32)")
     ap.add_argument("--smoke", action="store_true", help="a tiny LLaDA-shaped model (2 layers, d_model 128), "
                     "v5e:1x1 and block_polestar_b1 unless --targets / --programs say otherwise: seconds")
@@ -311,6 +324,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if bad or not items:
             ap.error(f"unknown {what[:-1]}(s) {', '.join(bad) or '(none given)'} (choose from {', '.join(known)})")
         setattr(args, what, items)
+    if args.resume and not args.json:
+        ap.error("--resume needs --json FILE (the rows to keep)")
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers must be >= 1, got {args.layers}")
     return args
@@ -328,6 +343,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     meta = provenance(argv)
     t0 = time.perf_counter()
+    earlier: list[dict] = []
+    if args.resume and os.path.exists(args.json):
+        with open(args.json) as f:
+            earlier = json.load(f)
+        if os.path.exists(meta_path(args.json)):
+            with open(meta_path(args.json)) as f:
+                before = json.load(f)
+            meta["earlier_runs"] = before.pop("earlier_runs", []) + [before]
 
     def write(rows: list[dict]) -> None:
         if not args.json:
@@ -338,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 json.dump(obj, f, indent=1)
                 f.write("\n")
 
-    rows = run(args.targets, args.programs, args.layers, args.smoke, done=write)
+    rows = run(args.targets, args.programs, args.layers, args.smoke, done=write, rows=earlier)
     write(rows)
     print(table(rows))
     print(f"\n{meta['date']}, jax {meta['jax_version']}, libtpu {meta['libtpu_version']}, commit {meta['commit']}, "

@@ -1,12 +1,13 @@
 """bench.tpu_proxy: the engine's block programs compiled ahead of time for TPU slices on this CPU host (with
-the ``libtpu`` wheel; skipped without it). The smoke run compiles one tiny Polestar block program for a v5e
-chip; the meshes follow docs/scaling.md's layout on the topologies libtpu describes."""
+the ``libtpu`` wheel; skipped without it). The smoke run compiles one tiny Polestar block program for a v5e:2x2
+slice (4 chips); the meshes follow docs/scaling.md's layout on the topologies libtpu describes."""
 from __future__ import annotations
 
 import importlib.util
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from bench import tpu_proxy
@@ -37,24 +38,29 @@ def test_mesh_keeps_model_groups_within_a_host(target, data, model):
 
 
 @needs_libtpu
-def test_smoke_compiles_a_polestar_block_with_its_mosaic_kernels(tmp_path):
+def test_smoke_compiles_a_sharded_polestar_block_with_its_mosaic_kernels(tmp_path):
+    """One tiny Polestar block program on a v5e:2x2 slice (model=4): the Mosaic kernels compile per shard
+    (kernels.backend: XLA cannot partition a Mosaic call), and the row's bytes are XLA's, per chip."""
     out = tmp_path / "rows.json"
-    assert tpu_proxy.main(["--smoke", "--json", str(out)]) == 0
+    assert tpu_proxy.main(["--smoke", "--targets", "v5e:2x2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     meta = json.loads((tmp_path / "rows.meta.json").read_text())
     assert meta["jax_version"] == jax.__version__ and meta["libtpu_version"]
     (row,) = rows
     assert {"program", "target", "mesh", "kernels", "compile_seconds", "per_device_bytes", "hbm_bytes", "fits",
             "mosaic_kernels"} <= set(row)
-    assert (row["program"], row["target"], row["mesh"], row["kernels"]) == ("block_polestar_b1", "v5e:1x1",
-                                                                            "data=1,model=1", "auto")
+    assert (row["program"], row["target"], row["mesh"], row["kernels"]) == ("block_polestar_b1", "v5e:2x2",
+                                                                            "data=1,model=4", "auto")
     # Polestar's kernels (drift, gather, scatter, centroid shift) compiled through Mosaic
     assert row["mosaic_kernels"] >= 4
-    # XLA's memory analysis holds at least the program's arguments: the parameters and the decode state
+    # XLA's memory analysis holds at least one chip's shards of the arguments (parameters, decode state),
+    # and less than the whole of them: the parameters are split over the 4 chips
     cfg = tpu_proxy.model_config(None, smoke=True)
-    engine = tpu_proxy.make_engine(cfg, tpu_proxy.topology_mesh("v5e:1x1"))
+    engine = tpu_proxy.make_engine(cfg, tpu_proxy.topology_mesh("v5e:2x2"))
     dcfg = tpu_proxy.decode_config("polestar", cfg, "auto")
     state = engine.initial_state([[5] * tpu_proxy.PROMPT], dcfg, tpu_proxy.PROMPT, 0, None, None, abstract=True)
-    nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
-    assert nbytes(engine.params) + nbytes(state) <= row["per_device_bytes"] < 1 << 30
+    leaves = jax.tree.leaves((engine.params, state))
+    whole = sum(a.size * a.dtype.itemsize for a in leaves)
+    shard = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in leaves)
+    assert shard < whole and shard <= row["per_device_bytes"] < 1 << 30
     assert row["hbm_bytes"] == 16 << 30 and row["fits"] is True

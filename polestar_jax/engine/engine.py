@@ -258,7 +258,10 @@ class Engine:
                 rep = NamedSharding(mesh, PartitionSpec())
                 kw["out_shardings"] = (jax.tree.map(lambda a: a.sharding, state), jax.tree.map(lambda _: rep, out[1]))
             jitted = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",), **kw)
-            return jitted.lower(params, state, knobs, replay, spec)
+            if mesh is None or platform_of(key) == "cpu":
+                return jitted.lower(params, state, knobs, replay, spec)
+            with jax.set_mesh(mesh):  # (the kernels run per shard on it: kernels.backend)
+                return jitted.lower(params, state, knobs, replay, spec)
 
         return self._program(key, build, f"the {spec.decoder} block program for batch {b}, prompt slot {slot}, "
                                          f"gen length {spec.gen_length}")
