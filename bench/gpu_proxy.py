@@ -236,18 +236,13 @@ def block_spec(decoder: str, batch: int, running: bool, setup: Setup):
     """(engine, decode config, EngineSpec, step chunk) of a block program: a fixed batch's spec as the engine
     makes it, or a running batch's (per-row blocks, the sampling variant, compacted chunks: as
     ``RunningBatch`` and the server set them)."""
-    from polestar_jax.decode.block import compact_width
-    from polestar_jax.engine.engine import Engine
+    from polestar_jax.engine.engine import Engine, running_spec
 
     dcfg = block_config(decoder, setup)
     engine = Engine(setup.params, setup.cfg)
-    spec = engine.spec(dcfg)
-    chunk = 0
-    if running:
-        spec = dataclasses.replace(spec, per_row=True)
-        chunk = compact_width(batch, spec, platform="gpu")  # (as RunningBatch sets it on a GPU)
-        spec = dataclasses.replace(spec, compact_rows=chunk, stochastic=True)
-    return engine, dcfg, spec, chunk
+    # (a running batch's spec as RunningBatch builds it, for the engine's platform: the target's)
+    spec = running_spec(engine, dcfg, batch, sampling=True) if running else engine.spec(dcfg)
+    return engine, dcfg, spec, spec.compact_rows
 
 
 def compile_block(decoder: str, batch: int, running: bool, setup: Setup) -> tuple[str, float]:

@@ -53,6 +53,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import batching, mlir
+from jax.sharding import PartitionSpec
 
 from polestar_jax import compat
 
@@ -159,7 +160,7 @@ def _bind_per_platform(name: str, args: tuple, default: Callable, kernels: dict[
     out_trees: list = []
     flat_default = _flat(default, in_tree, out_trees)
     closed = jax.make_jaxpr(flat_default)(*leaves)
-    flat_kernels = tuple((p, _flat(fn, in_tree, [])) for p, fn in sorted(kernels.items()))
+    flat_kernels = tuple((p, _per_shard(_flat(fn, in_tree, []))) for p, fn in sorted(kernels.items()))
     out = _kernel_p.bind(*leaves, name=name, default=closed, default_fn=flat_default, kernels=flat_kernels)
     return jax.tree.unflatten(out_trees[0], out)
 
@@ -173,6 +174,28 @@ def _abstract_eval(*avals, name, default, default_fn, kernels):
 def _impl(*args, **params):
     """Eager call: compiled for the default backend (its platform's rule picks the form)."""
     return jax.jit(functools.partial(_kernel_p.bind, **params))(*args)
+
+
+#: The mesh axis a sharded program splits its batch over (``polestar_jax.sharding``'s ``data``).
+BATCH_AXIS = "data"
+
+
+def _per_shard(fn: Callable) -> Callable:
+    """``fn`` (a compiled kernel of flat operands, traced when lowered) as each device's call on its own rows
+    when the program is lowered under a mesh of several devices (``jax.set_mesh``: the engine enters its
+    mesh): XLA cannot partition a Mosaic or Triton call itself, so the call becomes a ``shard_map`` over the
+    mesh, the rows split over :data:`BATCH_AXIS` where it divides the batch and every other axis replicated
+    (each device holds its rows whole; every kernel treats the rows of its leading batch axis
+    independently). Without such a mesh, ``fn`` itself."""
+    def call(*xs):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1 or mesh.manual_axes:
+            return fn(*xs)
+        rows = mesh.shape.get(BATCH_AXIS, 1)
+        split = rows > 1 and all(x.ndim and x.shape[0] % rows == 0 for x in xs)
+        spec = PartitionSpec(BATCH_AXIS) if split else PartitionSpec()
+        return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(xs), out_specs=spec, check_vma=False)(*xs)
+    return call
 
 
 def _lowering(platform: Optional[str]):

@@ -37,7 +37,7 @@ import socket
 import sys
 import functools
 import threading
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -77,17 +77,20 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return out
 
 
-def make_mesh(spec: str | dict[str, int]) -> Mesh:
-    """A (data, model) mesh over the first data*model devices."""
+def make_mesh(spec: str | dict[str, int], devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """A (data, model) mesh over the first data*model devices of ``devices`` (default ``jax.devices()``; a
+    TPU topology's devices for ahead-of-time compiles: ``bench.tpu_proxy``), taken in that order (process
+    by process)."""
     sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
     d, m = sizes.get("data", 1), sizes.get("model", 1)
-    devices = jax.devices()
+    devices = list(jax.devices() if devices is None else devices)
+    processes = len({dev.process_index for dev in devices})
     if d * m > len(devices):
         raise PolestarError(f"mesh data={d},model={m} needs {d * m} devices, {len(devices)} available")
-    if jax.process_count() > 1 and d * m != len(devices):
+    if processes > 1 and d * m != len(devices):
         # a process without a device in the mesh would hold no shard and could not take part
         raise PolestarError(f"mesh data={d},model={m} uses {d * m} of the {len(devices)} devices of "
-                            f"{jax.process_count()} processes; a multi-process mesh must use every device")
+                            f"{processes} processes; a multi-process mesh must use every device")
     # devices are ordered by process: with model <= devices per process, `model` stays within a host
     return Mesh(np.asarray(devices[: d * m]).reshape(d, m), ("data", "model"))
 
@@ -130,7 +133,10 @@ def shard(tree: Any, shardings: Any) -> Any:
     """``tree`` placed with ``shardings``. Multi-process: every process passes the same values (host or
     process-local arrays: prompts, the initial decode state) and builds only the shards of its own devices
     from them (``jax.make_array_from_callback``; ``jax.device_put`` would first all-gather each array to
-    check that the processes agree); arrays that already span processes are resharded by ``device_put``."""
+    check that the processes agree); arrays that already span processes are resharded by ``device_put``.
+    Abstract leaves (``jax.ShapeDtypeStruct``: ahead-of-time compiles) become shape structs with their sharding."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
 

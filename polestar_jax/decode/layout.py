@@ -56,7 +56,7 @@ def init_decode_state(
     """The whole decode state of ``dcfg``'s decoder for ``prompts`` (left-padded into ``prompt_slot``): the
     generic fields, the policy's own part, placed where the policy keeps it. ``rows``: each prompt's index in
     its job (its random key is ``(seed, row)``; default 0..n-1). ``abstract=True`` returns
-    ``jax.ShapeDtypeStruct`` leaves only (memory planning, ahead-of-time compiles). ``mesh`` (a
+    ``jax.ShapeDtypeStruct`` leaves only (memory planning, ahead-of-time compiles; with ``mesh``, sharded). ``mesh`` (a
     ``jax.sharding.Mesh``): the state is built already sharded over it (:func:`build_sharded`, its builder
     kept in ``builders`` when given)."""
     rows = list(range(len(prompts))) if rows is None else list(rows)
@@ -64,6 +64,11 @@ def init_decode_state(
                            dcfg.block_length, gen_lengths)
     layout = state_layout(mcfg, dcfg, dtype)
     if abstract:
-        return place_own(jax.eval_shape(functools.partial(build_state, layout=layout), fields), layout, True)
+        state = jax.eval_shape(functools.partial(build_state, layout=layout), fields)
+        if mesh is not None:  # (the shardings build_sharded gives the state)
+            from polestar_jax.sharding import shard, state_shardings
+
+            state = shard(state, state_shardings(state, mesh))
+        return place_own(state, layout, True)
     state = build_state(fields, layout) if mesh is None else build_sharded(fields, layout, mesh, builders)
     return place_own(state, layout)

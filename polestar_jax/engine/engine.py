@@ -258,7 +258,10 @@ class Engine:
                 rep = NamedSharding(mesh, PartitionSpec())
                 kw["out_shardings"] = (jax.tree.map(lambda a: a.sharding, state), jax.tree.map(lambda _: rep, out[1]))
             jitted = jax.jit(decode_block, static_argnames=("spec",), donate_argnames=("state",), **kw)
-            return jitted.lower(params, state, knobs, replay, spec)
+            if mesh is None or platform_of(key) == "cpu":
+                return jitted.lower(params, state, knobs, replay, spec)
+            with jax.set_mesh(mesh):  # (the kernels run per shard on it: kernels.backend)
+                return jitted.lower(params, state, knobs, replay, spec)
 
         return self._program(key, build, f"the {spec.decoder} block program for batch {b}, prompt slot {slot}, "
                                          f"gen length {spec.gen_length}")
@@ -311,10 +314,11 @@ class Engine:
         k = Knobs.from_config(dcfg)
         return k if batch is None else jax.tree.map(lambda a: jnp.full((batch,), a, jnp.float32), k)
 
-    def initial_state(self, prompts, dcfg, prompt_slot, seed, rows, gen_lengths) -> DecodeState:
-        """The decode state of ``prompts`` on this engine's mesh, dtype and builders (:func:`init_decode_state`)."""
+    def initial_state(self, prompts, dcfg, prompt_slot, seed, rows, gen_lengths, abstract: bool = False) -> DecodeState:
+        """The decode state of ``prompts`` on this engine's mesh, dtype and builders (:func:`init_decode_state`;
+        ``abstract``: shape structs with their shardings, for ahead-of-time compiles)."""
         return init_decode_state(self.config, dcfg, prompts, prompt_slot, seed=seed, rows=rows, dtype=self.dtype,
-                                 mesh=self.mesh, gen_lengths=gen_lengths, builders=self._builders)
+                                 mesh=self.mesh, gen_lengths=gen_lengths, builders=self._builders, abstract=abstract)
 
     # ----------------------------------------------------------------------------------- fixed batches
     def run(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,
@@ -483,6 +487,26 @@ class _Occupant:
     blocks_dispatched: int = 0
 
 
+def running_spec(engine: Engine, dcfg: DecodeConfig, size: int, sampling: bool = False,
+                 compact_rows: Optional[int] = None) -> EngineSpec:
+    """The block program's structure of a :class:`RunningBatch` of ``size`` slots on ``engine`` (per-row
+    blocks; its step chunk, :func:`compact_width` unless ``compact_rows`` sets it; ``sampling``: the sampling
+    variant). Ahead-of-time compiles (``bench.tpu_proxy``, ``bench.gpu_proxy``) build the same spec."""
+    spec = dataclasses.replace(engine.spec(dcfg), per_row=True)  # rows join and leave at any block boundary
+    sharded = engine.mesh is not None and engine.mesh.shape.get("data", 1) > 1
+    auto = compact_width(size, spec, sharded, engine.platform)
+    if compact_rows is not None and compact_rows != auto:
+        if compact_rows < 0:
+            raise PolestarError(f"compact_rows must be >= 0, got {compact_rows}")
+        if compact_rows and (sharded or compact_width(1 << 30, spec) == 0):
+            raise PolestarError("compacted steps need an unsharded batch and Polestar's store in device memory")
+        auto = int(compact_rows) if compact_rows < size else 0
+    spec = dataclasses.replace(spec, compact_rows=auto)
+    if sampling:  # the sampling variant: per-row temperatures, 0 included (x + 0 * noise = x: greedy tokens)
+        spec = dataclasses.replace(spec, stochastic=True)
+    return spec
+
+
 class RunningBatch:
     """A batch of ``size`` decode slots at one prompt slot and one decode structure (``dcfg``), whose rows
     each sit at their own block. :meth:`insert` puts a prompt into a free slot (between calls: at a block
@@ -499,19 +523,7 @@ class RunningBatch:
         if size < 1:
             raise PolestarError(f"batch size must be >= 1, got {size}")
         self.engine, self.dcfg, self.size, self.slot = engine, dcfg, int(size), int(prompt_slot)
-        self.spec = engine.spec(dcfg)
-        self.spec = dataclasses.replace(self.spec, per_row=True)  # rows join and leave at any block boundary
-        sharded = engine.mesh is not None and engine.mesh.shape.get("data", 1) > 1
-        auto = compact_width(self.size, self.spec, sharded, engine.platform)
-        if compact_rows is not None and compact_rows != auto:
-            if compact_rows < 0:
-                raise PolestarError(f"compact_rows must be >= 0, got {compact_rows}")
-            if compact_rows and (sharded or compact_width(1 << 30, self.spec) == 0):
-                raise PolestarError("compacted steps need an unsharded batch and Polestar's store in device memory")
-            auto = int(compact_rows) if compact_rows < self.size else 0
-        self.spec = dataclasses.replace(self.spec, compact_rows=auto)
-        if sampling:  # the sampling variant: per-row temperatures, 0 included (x + 0 * noise = x: greedy tokens)
-            self.spec = dataclasses.replace(self.spec, stochastic=True)
+        self.spec = running_spec(engine, dcfg, self.size, sampling, compact_rows)
         self.layout = state_layout(engine.config, dcfg, engine.dtype)
         empty = [[engine.config.pad_token_id]] * self.size
         self.state = engine.initial_state(empty, dcfg, self.slot, 0, list(range(self.size)), None)

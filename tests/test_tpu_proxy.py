@@ -1,0 +1,66 @@
+"""bench.tpu_proxy: the engine's block programs compiled ahead of time for TPU slices on this CPU host (with
+the ``libtpu`` wheel; skipped without it). The smoke run compiles one tiny Polestar block program for a v5e:2x2
+slice (4 chips); the meshes follow docs/scaling.md's layout on the topologies libtpu describes."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from bench import tpu_proxy
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install libtpu): no TPU compiler on this host")
+
+#: XLA's refusal of block_polestar_b1 at LLaDA-8B shapes for one v5e chip (libtpu 0.0.50.1), as it printed it
+OOM = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+       "HLO temporaries (18.55G) exceeds available HBM (15.75G). HLO module: jit_decode_block.")
+
+
+def test_oom_bytes_reads_xla_refusal():
+    assert tpu_proxy.oom_bytes(OOM) == int(18.55 * (1 << 30))
+    assert tpu_proxy.oom_bytes("Ran out of memory in memory space hbm. Used 20.5G of 15.75G hbm.") == int(
+        20.5 * (1 << 30))
+    assert tpu_proxy.oom_bytes("INVALID_ARGUMENT: Used 3 of 4 slots") is None  # not an HBM refusal
+
+
+@needs_libtpu
+@pytest.mark.parametrize("target,data,model", [("v5e:1x1", 1, 1), ("v5e:2x2", 1, 4), ("v5e:4x4", 4, 4)])
+def test_mesh_keeps_model_groups_within_a_host(target, data, model):
+    tpu_proxy.name_platform()
+    mesh = tpu_proxy.topology_mesh(target)
+    assert dict(mesh.shape) == {"data": data, "model": model}
+    hosts = [{d.process_index for d in row} for row in mesh.devices]
+    assert all(len(h) == 1 for h in hosts) and len(set.union(*hosts)) == data  # one host per data row
+
+
+@needs_libtpu
+def test_smoke_compiles_a_sharded_polestar_block_with_its_mosaic_kernels(tmp_path):
+    """One tiny Polestar block program on a v5e:2x2 slice (model=4): the Mosaic kernels compile per shard
+    (kernels.backend: XLA cannot partition a Mosaic call), and the row's bytes are XLA's, per chip."""
+    out = tmp_path / "rows.json"
+    assert tpu_proxy.main(["--smoke", "--targets", "v5e:2x2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    meta = json.loads((tmp_path / "rows.meta.json").read_text())
+    assert meta["jax_version"] == jax.__version__ and meta["libtpu_version"]
+    (row,) = rows
+    assert {"program", "target", "mesh", "kernels", "compile_seconds", "per_device_bytes", "hbm_bytes", "fits",
+            "mosaic_kernels"} <= set(row)
+    assert (row["program"], row["target"], row["mesh"], row["kernels"]) == ("block_polestar_b1", "v5e:2x2",
+                                                                            "data=1,model=4", "auto")
+    # Polestar's kernels (drift, gather, scatter, centroid shift) compiled through Mosaic
+    assert row["mosaic_kernels"] >= 4
+    # XLA's memory analysis holds at least one chip's shards of the arguments (parameters, decode state),
+    # and less than the whole of them: the parameters are split over the 4 chips
+    cfg = tpu_proxy.model_config(None, smoke=True)
+    engine = tpu_proxy.make_engine(cfg, tpu_proxy.topology_mesh("v5e:2x2"))
+    dcfg = tpu_proxy.decode_config("polestar", cfg, "auto")
+    state = engine.initial_state([[5] * tpu_proxy.PROMPT], dcfg, tpu_proxy.PROMPT, 0, None, None, abstract=True)
+    leaves = jax.tree.leaves((engine.params, state))
+    whole = sum(a.size * a.dtype.itemsize for a in leaves)
+    shard = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in leaves)
+    assert shard < whole and shard <= row["per_device_bytes"] < 1 << 30
+    assert row["hbm_bytes"] == 16 << 30 and row["fits"] is True
