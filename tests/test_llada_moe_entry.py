@@ -73,27 +73,39 @@ def _tokenizer() -> Tokenizer:
     return tok
 
 
-def _weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+def _answer_rows(vocab: int) -> np.ndarray:
+    """[vocab] bool: the ids the fixture's LM head can predict (ASCII letters and digits, ``,.?``, the space,
+    ``<|endoftext|>``, ``<|role_end|>``): answers print as text and some end at a stop token; never a mask."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    keep = [i for i, c in enumerate(alphabet) if (c.isascii() and c.isalnum()) or c in ",.?\u0120"]
+    rows = np.zeros(vocab, bool)
+    rows[keep + [TINY["eos_token_id"], ROLE_END]] = True
+    return rows
+
+
+def _weights(cfg: dict, seed: int = 15) -> dict[str, np.ndarray]:
     """Random float32 weights under the HF names of ``modeling_lladamoe.py`` (MOE_SPEC.md section 3), written
-    here from the spec, independent of the package's name map: ``Linear`` weights [out, in]."""
+    here from the spec, independent of the package's name map: ``Linear`` weights [out, in]. Scaled so that
+    the answers depend on the prompt and the position and the threshold rule commits several tokens at once
+    (seed 15: the second prompt's answer ends at a stop token, the others run to the gen length)."""
     rng = np.random.default_rng(seed)
     d, h, kv, e, f, v = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                           "num_experts", "expert_intermediate_size", "vocab_size"))
     hd = d // h
-    w = lambda *shape, std=0.05: (std * rng.standard_normal(shape)).astype(np.float32)
+    w = lambda *shape, std: (std * rng.standard_normal(shape)).astype(np.float32)
     norm = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-    out = {"model.embed_tokens.weight": w(v, d, std=1.0), "model.norm.weight": norm(d),
-           "lm_head.weight": w(v, d, std=0.3)}
+    head = np.where(_answer_rows(v)[:, None], w(v, d, std=1.5), 0).astype(np.float32)
+    out = {"model.embed_tokens.weight": w(v, d, std=1.0), "model.norm.weight": norm(d), "lm_head.weight": head}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
-                    p + "self_attn.q_proj.weight": w(h * hd, d), p + "self_attn.k_proj.weight": w(kv * hd, d),
-                    p + "self_attn.v_proj.weight": w(kv * hd, d), p + "self_attn.o_proj.weight": w(d, h * hd),
+                    p + "self_attn.q_proj.weight": w(h * hd, d, std=0.3), p + "self_attn.k_proj.weight": w(kv * hd, d, std=0.3),
+                    p + "self_attn.v_proj.weight": w(kv * hd, d, std=0.3), p + "self_attn.o_proj.weight": w(d, h * hd, std=0.3),
                     p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
                     p + "mlp.gate.weight": w(e, d, std=0.3)})
         for j in range(e):
-            out.update({p + f"mlp.experts.{j}.gate_proj.weight": w(f, d), p + f"mlp.experts.{j}.up_proj.weight": w(f, d),
-                        p + f"mlp.experts.{j}.down_proj.weight": w(d, f)})
+            out.update({p + f"mlp.experts.{j}.{n}_proj.weight": w(*shape, std=0.2)
+                        for n, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f)))})
     return out
 
 
@@ -193,3 +205,123 @@ def test_every_decoder_in_continuous_batching_gives_each_row_alone(name, moe_mod
         for field in ("tokens", "commit_step", "block_nfe"):
             np.testing.assert_array_equal(getattr(row, field), getattr(alone, field), err_msg=f"{name} {i} {field}")
         assert row.nfe == alone.nfe and MASK_ID not in row.tokens
+
+
+# ------------------------------------------------------------------------------------------ the faces
+# They all decode with the Fast-dLLM threshold rule without a cache in a running batch of two at prompt slot 32:
+# the program the continuous-batching test above compiled (the CLI's and the converted folder's engines find
+# it in the session's persistent compilation cache).
+FACE = "fastdllm-none"
+
+
+@pytest.fixture(scope="module")
+def reference(moe_model, ids):
+    """The rows the faces must give: the engine's continuous job over the three chat prompts."""
+    dcfg = moe_model.decode_config(**GEN, **DECODERS[FACE][0])
+    return dcfg, moe_model.engine.generate(ids, dcfg, batch_size=2, prompt_slot=SLOT)
+
+
+def test_convert_then_load_equals_direct_load(moe_folder, moe_model, tmp_path, capsys):
+    """``python -m polestar_jax.convert`` of the sharded folder gives, loaded, the parameters of the direct
+    load bit for bit (each expert's tensors stacked where the checkpoint names say), the same config (the mask id
+    now written into config.json) and the tokenizer files; converted back to HF, every tensor is the source's."""
+    from safetensors.numpy import load_file
+
+    conv, back = tmp_path / "orbax", tmp_path / "hf"
+    assert convert_main([str(moe_folder), str(conv)]) == 0
+    assert convert_main([str(conv), str(back), "--to-hf"]) == 0
+    capsys.readouterr()
+    cfg, params = load_model(str(conv))
+    assert cfg == moe_model.config and json.loads((conv / "config.json").read_text())["mask_token_id"] == MASK_ID
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, moe_model.params)
+    src = _weights(json.loads((moe_folder / "config.json").read_text()))
+    np.testing.assert_array_equal(np.asarray(params["blocks"]["e_up"][1, 3]), src["model.layers.1.mlp.experts.3.up_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(params["blocks"]["router"][0]), src["model.layers.0.mlp.gate.weight"].T)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (conv / f).read_bytes() == (moe_folder / f).read_bytes() == (back / f).read_bytes(), f
+    exported = load_file(str(back / "model.safetensors"))
+    assert sorted(exported) == sorted(src)
+    for name, arr in src.items():
+        np.testing.assert_array_equal(exported[name], arr, err_msg=name)
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["hf", "converted"])
+def test_generate_cli_prints_the_answers(converted, moe_folder, moe_model, reference, tmp_path, capsys):
+    """``python -m polestar_jax.generate --model DIR`` (in-process main) on the HF folder and on its converted
+    form: the rows of the engine's job (chat template applied), the answers printed, cut at the first stop
+    token (``<|endoftext|>`` from config.json, ``<|role_end|>`` from the tokenizer)."""
+    folder = moe_folder
+    if converted:
+        folder = tmp_path / "orbax"
+        assert convert_main([str(moe_folder), str(folder)]) == 0
+        capsys.readouterr()
+    dcfg, job = reference
+    argv = ["--model", str(folder), *sum((["--prompt", p] for p in PROMPTS), []), "--gen-length", "16",
+            "--block-length", "8", "--batch-size", "2", *DECODERS[FACE][1]]
+    assert gen_cli.main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["token_ids"] == [[int(t) for t in r.tokens] for r in job.rows]
+    texts = [moe_model.tokenizer.decode(moe_model.engine.completion(r).response_ids) for r in job.rows]
+    assert out["text"] == texts and out["decoder"] == "fastdllm" and all(texts)
+    assert [moe_model.engine.completion(r).finish_reason for r in job.rows] == ["length", "stop", "length"]
+    for r, text in zip(job.rows, texts):
+        resp = moe_model.engine.completion(r).response_ids
+        assert not {301, ROLE_END} & set(resp) and [int(t) for t in r.tokens[:len(resp)]] == resp
+        assert f"\n{text}\n" in f"\n{captured.err}\n"  # the answers are printed (on stderr beside --json)
+
+
+def test_python_api(moe_model, reference):
+    """``load(DIR).generate(prompts, ...)``: the chat-rendered prompts, the job's rows and their texts."""
+    dcfg, job = reference
+    gens = moe_model.generate(PROMPTS, batch_size=2, **GEN, **DECODERS[FACE][0])
+    assert gens.decode == dcfg and gens.batches == 2
+    for g, r in zip(gens, job.rows):
+        c = moe_model.engine.completion(r)
+        assert g.token_ids == [int(t) for t in r.tokens] and g.response_ids == c.response_ids
+        assert g.text == moe_model.tokenizer.decode(c.response_ids) and g.nfe == r.nfe
+
+
+def test_openai_server_answers_a_chat_request(moe_folder, moe_model):
+    """The OpenAI-compatible app with the scheduler the server builds (``serve.py``: a sampling running batch),
+    spoken to with the real ``openai`` client: a chat request comes back with the answer the prompt gets alone
+    (temperature 0), under the folder's name."""
+    openai = pytest.importorskip("openai")
+    from fastapi.testclient import TestClient
+
+    from polestar_jax.serving.app import ServerLimits, create_app
+    from polestar_jax.serving.scheduler import Scheduler
+
+    dcfg = moe_model.decode_config(**GEN, **DECODERS[FACE][0])
+    name = moe_folder.name
+    scheduler = Scheduler(moe_model.engine, dcfg, 2, SLOT, sampling=True).start()
+    try:
+        with TestClient(create_app(moe_model, scheduler, ServerLimits(SLOT, 16, 8), name)) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+            r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                               max_tokens=16, temperature=0)
+    finally:
+        scheduler.stop()
+    alone = moe_model.engine.completion(_alone(moe_model, moe_model.prompt_ids(PROMPTS[2]), dcfg, 0))
+    assert r.choices[0].message.content == moe_model.tokenizer.decode(alone.response_ids)
+    assert r.model == name and r.usage.prompt_tokens == len(moe_model.prompt_ids(PROMPTS[2]))
+    assert r.choices[0].finish_reason == alone.finish_reason
+
+
+def test_lm_eval_model_generates_with_the_chat_template(moe_model, reference):
+    """lm-eval's model class on the folder: ``generate_until`` requests whose contexts lm-eval renders with our
+    chat template (``apply_chat_template``) decode as one continuous job of two rows and return the job's texts."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from polestar_jax.lm_eval_model import PolestarLM
+
+    _, job = reference
+    lm = PolestarLM(model_obj=moe_model, batch_size=2, pad_multiple=SLOT, gen_length=16, block_length=8,
+                    progress=False, **DECODERS[FACE][0])
+    ctxs = [lm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    reqs = [Instance("generate_until", {}, (c, {"until": [], "max_gen_toks": 16}), i, metadata=("moe", i, 1))
+            for i, c in enumerate(ctxs)]
+    texts = lm.generate_until(reqs)
+    assert texts == [moe_model.tokenizer.decode(moe_model.engine.completion(r).response_ids) for r in job.rows]
+    assert len(lm.batches) == 1 and lm.batches[0]["rows"] == 2 and lm.batches[0]["prompt_slot"] == SLOT
