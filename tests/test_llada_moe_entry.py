@@ -127,9 +127,8 @@ def moe_folder(tmp_path_factory) -> Path:
          "weight_map": {n: fname for fname, part in shards.items() for n in part}}))
     tok = _tokenizer()
     tok.save(str(folder / "tokenizer.json"))
-    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                      "special": True} for i, t in sorted(tok.get_added_tokens_decoder().items())
-             for t in [t.content]}
+    added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in sorted(tok.get_added_tokens_decoder().items())}
     (folder / "tokenizer_config.json").write_text(json.dumps(  # no mask_token named, as the real one
         {"added_tokens_decoder": added, "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
          "pad_token": "<|endoftext|>", "chat_template": TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -172,6 +171,8 @@ def test_ids_and_chat_template_come_from_the_folder(moe_folder, moe_model, tmp_p
     assert "mask_token_id" in str(e.value) and "<|mask|>" in str(e.value) and len(str(e.value).splitlines()) == 1
     (lone / "tokenizer.json").write_bytes((moe_folder / "tokenizer.json").read_bytes())  # tokenizer.json alone
     assert ModelConfig.from_json(str(lone)).mask_token_id == MASK_ID
+    (lone / "tokenizer_config.json").write_text(json.dumps({"mask_token": {"content": "<|reserved_299|>"}}))
+    assert ModelConfig.from_json(str(lone)).mask_token_id == 299  # a mask token the tokenizer names wins
     (lone / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     from polestar_jax.io.tokenizer import load_tokenizer
 
