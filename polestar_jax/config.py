@@ -196,9 +196,45 @@ _MOE_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers
 _MOE_REQUIRED_VALUES: dict[str, Any] = {
     "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "partial_rotary_factor": 1,
     "moe_router_enable_expert_bias": False}
-#: ``<|mask|>`` of the LLaDA-MoE tokenizer: the mask id when neither config.json nor generation_config.json
-#: names one (the real checkpoint's config.json has none)
-LLADA_MOE_MASK_ID = 156895
+#: The names of the diffusion mask token in a tokenizer's vocabulary: LLaDA-8B's, then LLaDA-MoE's (and Dream's)
+MASK_TOKENS = ("<|mdm_mask|>", "<|mask|>")
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def _read_json_or_none(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None  # absent or unreadable: the tokenizer loader reports a broken file
+
+
+def tokenizer_mask_id(folder: str) -> Optional[int]:
+    """The mask token's id as the tokenizer files of model folder ``folder`` give it, read as JSON (the
+    tokenizer itself is not built): the token is ``tokenizer_config.json``'s ``mask_token`` if it names one,
+    else the first of :data:`MASK_TOKENS` found; its id comes from ``tokenizer_config.json``'s
+    ``added_tokens_decoder``, else ``tokenizer.json``'s ``added_tokens`` or its model's vocabulary. None when
+    the files or the token are absent (LLaDA-MoE: its config.json has no mask id, its tokenizer holds
+    ``<|mask|>``)."""
+    tok_cfg, tok = (_read_json_or_none(os.path.join(folder, f)) for f in _TOKENIZER_FILES)
+    tok_cfg = tok_cfg if isinstance(tok_cfg, dict) else {}
+    named = tok_cfg.get("mask_token")
+    named = named.get("content") if isinstance(named, dict) else named
+    wanted = (named,) if isinstance(named, str) else MASK_TOKENS
+    ids: dict[str, int] = {}
+    decoder = tok_cfg.get("added_tokens_decoder")
+    for key, entry in decoder.items() if isinstance(decoder, dict) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and str(key).isdigit():
+            ids.setdefault(entry["content"], int(key))
+    if not any(t in ids for t in wanted) and isinstance(tok, dict):
+        for entry in tok.get("added_tokens") or ():
+            if isinstance(entry, dict) and isinstance(entry.get("id"), int):
+                ids.setdefault(str(entry.get("content")), entry["id"])
+        vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok.get("model"), dict) else None
+        for t in wanted:
+            if isinstance(vocab, dict) and isinstance(vocab.get(t), int):
+                ids.setdefault(t, vocab[t])
+    return next((ids[t] for t in wanted if t in ids), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,11 +257,12 @@ class MoeConfig:
             raise ConfigError(f"MoeConfig: num_experts_per_tok {self.top_k} outside 1..{self.n_experts}")
 
 
-def _llada_moe_config(d: dict, source: str, generation: Optional[dict]) -> "ModelConfig":
+def _llada_moe_config(d: dict, source: str, generation: Optional[dict], folder: Optional[str]) -> "ModelConfig":
     """A LLaDA-MoE ``config.json`` (HF Llama/OLMoE-style keys): every key read from the file, anything
     the reference would run differently (a shared expert, dense layers, an expert bias, partial RoPE,
     q/k/v clipping, RoPE scaling) refused. The mask id: ``mask_token_id`` of config.json, else of
-    ``generation_config.json``, else :data:`LLADA_MOE_MASK_ID` (when the vocabulary holds it)."""
+    ``generation_config.json``, else the tokenizer's mask token in ``folder`` (:func:`tokenizer_mask_id`: the
+    real checkpoint's ``<|mask|>``); none of them is a one-line error (no id is assumed)."""
     _check_fields(d, source, _MOE_REQUIRED_FIELDS, _MOE_REQUIRED_VALUES)
     for key in ("shared_expert_intermediate_size", "clip_qkv", "rope_scaling"):
         if d.get(key) is not None:
@@ -238,11 +275,12 @@ def _llada_moe_config(d: dict, source: str, generation: Optional[dict]) -> "Mode
         raise ConfigError(f"{source}: unsupported moe_layer_freq={freq!r} (every layer must be MoE)")
     vocab = int(d["vocab_size"])
     mask = d.get("mask_token_id", (generation or {}).get("mask_token_id"))
+    if mask is None and folder is not None:
+        mask = tokenizer_mask_id(folder)
     if mask is None:
-        if vocab <= LLADA_MOE_MASK_ID:
-            raise ConfigError(f"{source}: no mask_token_id, and LLaDA-MoE's {LLADA_MOE_MASK_ID} is outside the "
-                              f"vocabulary of {vocab}: add \"mask_token_id\" to config.json")
-        mask = LLADA_MOE_MASK_ID
+        raise ConfigError(f"{source}: no mask_token_id (config.json and generation_config.json name none, and no "
+                          f"tokenizer file beside it holds {' or '.join(MASK_TOKENS[1:])}): add \"mask_token_id\" "
+                          "to config.json")
     pad = d.get("pad_token_id", d.get("eos_token_id"))
     eos = d.get("eos_token_id", pad)
     if eos is None:
@@ -322,15 +360,17 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config", generation: Optional[dict] = None) -> "ModelConfig":
+    def from_dict(cls, d: dict, source: str = "config", generation: Optional[dict] = None,
+                  folder: Optional[str] = None) -> "ModelConfig":
         """Builds a config from a parsed HF ``config.json``; raises :class:`ConfigError` on anything we
         cannot run (another architecture, missing fields, inconsistent shapes). The family comes from
         ``model_type`` (``llada`` or ``Dream``); ``generation`` (a parsed ``generation_config.json``) supplies
-        ids the config lacks (Dream's eos)."""
+        ids the config lacks (Dream's eos); ``folder`` (the model folder) lets LLaDA-MoE read its mask id from
+        the tokenizer files there (:func:`tokenizer_mask_id`)."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object")
         if MOE_ARCHITECTURE in (d.get("architectures") or ()):  # model_type "llada", as LLaDA-8B's
-            return _llada_moe_config(d, source, generation)
+            return _llada_moe_config(d, source, generation, folder)
         model_type = d.get("model_type", "llada")
         if model_type not in _MODEL_TYPES:
             raise ConfigError(f"{source}: unsupported model_type {model_type!r} (supported: "
@@ -367,7 +407,8 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str) -> "ModelConfig":
-        """Reads ``path`` (a ``config.json`` or a folder holding one)."""
+        """Reads ``path`` (a ``config.json`` or a folder holding one), with the ``generation_config.json`` and
+        (LLaDA-MoE's mask id) the tokenizer files beside it."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
@@ -394,7 +435,8 @@ class ModelConfig:
                     generation = json.load(f)
             except (OSError, ValueError):
                 generation = None  # optional; checkpoint.generation_defaults reports a broken file
-        return cls.from_dict(d, source=path, generation=generation if isinstance(generation, dict) else None)
+        return cls.from_dict(d, source=path, generation=generation if isinstance(generation, dict) else None,
+                             folder=os.path.dirname(path))
 
     @classmethod
     def _from_dream_dict(cls, d: dict, source: str, generation: Optional[dict]) -> "ModelConfig":

@@ -25,7 +25,7 @@ from polestar_jax.models import llada_moe
 from polestar_jax.models.family import FAMILIES, family_of
 
 MOE_DIR = Path(__file__).parent / "data" / "llada_moe_tiny_a"
-MOE_7B_CONFIG = Path(__file__).parent / "data" / "llada_moe_7b_a1b_config.json"
+MOE_7B_CONFIG = Path(__file__).parent / "data" / "llada_moe_7b_a1b" / "config.json"
 SLOT = 48  # one prompt slot for every generation here (prompts of 12 / 25 / 41 tokens)
 _FUNCTIONS = {"llada.generate": "llada", "fastdllm.generate": "fastdllm"}
 

@@ -802,11 +802,11 @@ def export_hf(out_dir: Union[str, os.PathLike], cfg: ModelConfig, params: Mappin
     return files
 
 
-#: The tokenizer, chat-template, generation and remote-code files a conversion carries over (LLaDA's and
-#: Dream's: a Dream folder may hold its Qwen2 tokenizer as vocab.json + merges.txt).
+#: The tokenizer, chat-template, generation and remote-code files a conversion carries over (LLaDA's, LLaDA-MoE's
+#: and Dream's: a Dream folder may hold its Qwen2 tokenizer as vocab.json + merges.txt).
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-             "configuration_llada.py", "modeling_llada.py",
+             "configuration_llada.py", "modeling_llada.py", "configuration_lladamoe.py", "modeling_lladamoe.py",
              "configuration_dream.py", "modeling_dream.py", "generation_utils.py", "tokenization_dream.py")
 
 

@@ -32,6 +32,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
+from polestar_jax.config import MASK_TOKENS
 from polestar_jax.errors import PolestarError
 
 __all__ = ["Tokenizer", "load_tokenizer", "bundled_model_dir", "asset_model_dir", "BUNDLED_MODEL_NAME",
@@ -43,10 +44,9 @@ BUNDLED_MODEL_NAME = "tiny_tasks"
 # Special-token fields of tokenizer_config.json passed to the chat template (as transformers does).
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                        "mask_token")
-# Name of LLaDA's mask token in its vocabulary (used when tokenizer_config.json does not name one).
-_LLADA_MASK_TOKEN = "<|mdm_mask|>"
-#: The chat models' end-of-turn tokens: LLaDA's ``<|eot_id|>``, Qwen2 / Dream's ChatML ``<|im_end|>``.
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+#: The chat models' end-of-turn tokens: LLaDA's ``<|eot_id|>``, Qwen2 / Dream's ChatML ``<|im_end|>``, the Ling
+#: chat format's ``<|role_end|>`` (LLaDA-MoE's tokenizer and template).
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|role_end|>")
 #: Qwen2's pre-tokenizer split (Qwen2Tokenizer, DreamTokenizer): English contractions, a letter run with at
 #: most one leading non-letter, single digits, punctuation runs with their newlines, newline runs, spaces.
 QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -181,12 +181,13 @@ class Tokenizer:
 
     @property
     def mask_token_id(self) -> Optional[int]:
-        """Id of the diffusion mask token: tokenizer_config.json ``mask_token``, else ``<|mdm_mask|>`` in
-        the vocabulary, else config.json ``mask_token_id``."""
+        """Id of the diffusion mask token: tokenizer_config.json ``mask_token``, else the first of
+        :data:`~polestar_jax.config.MASK_TOKENS` in the vocabulary (LLaDA-8B's ``<|mdm_mask|>``, LLaDA-MoE's
+        ``<|mask|>``), else config.json ``mask_token_id``."""
         token = self.special_tokens.get("mask_token")
         if token is not None and self._tok.token_to_id(token) is not None:
             return self._tok.token_to_id(token)
-        tid = self._tok.token_to_id(_LLADA_MASK_TOKEN)
+        tid = next((i for i in map(self._tok.token_to_id, MASK_TOKENS) if i is not None), None)
         if tid is not None:
             return tid
         value = self._model_config.get("mask_token_id")
@@ -196,7 +197,8 @@ class Tokenizer:
     def end_of_turn_ids(self) -> frozenset[int]:
         """Ids of the chat end-of-turn tokens in the vocabulary (:data:`END_OF_TURN_TOKENS`): a response
         ends there as at EOS."""
-        return frozenset(i for i in map(self._tok.token_to_id, END_OF_TURN_TOKENS) if i is not None)
+        mask = self.mask_token_id  # (never a stop: a block still holding masks is undecided)
+        return frozenset(i for i in map(self._tok.token_to_id, END_OF_TURN_TOKENS) if i is not None and i != mask)
 
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
