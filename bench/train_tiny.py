@@ -25,6 +25,15 @@ ids 0..255 = bytes, then ``<|startoftext|>``, ``<|endoftext|>`` (EOS = pad), the
 ``<|eot_id|>``, ``<|mdm_mask|>``); prompts are the chat-template rendering of the task prompt
 (:meth:`polestar_jax.io.tokenizer.Tokenizer.chat_prompt_ids`).
 
+Mixture of experts (``--preset tiny_moe``, issue #45): ``family="llada_moe"`` trains a LLaDA-MoE
+(:mod:`polestar_jax.models.llada_moe`: q/k-norm, ``n_experts`` SwiGLU experts of ``mlp_hidden`` per layer, the
+raw top-``top_k`` softmax weights) with the same SFT loss plus ``aux_loss_coef`` times the load-balancing loss
+(:func:`balance_loss`, the Switch Transformer / OLMoE form: ``E * sum_e f_e * P_e`` per layer, mean over the
+layers), so that the router spreads the tokens over its experts instead of collapsing onto a few. The
+training forward is the family's layer with its MoE block computed densely (:func:`dense_experts`: the same
+function to rounding, k times fewer FLOPs than ``ragged_dot``'s CPU lowering); the exported folder is an HF
+LLaDA-MoE folder (``architectures`` ["LLaDAMoEModelLM"]) whose README adds each layer's expert use.
+
 Checkpoints: an orbax ``CheckpointManager`` in ``--out`` holds the params, optimizer state and step
 (``state``) and a JSON item (``meta``: the numpy data-RNG state, the training configuration, the
 accumulated training time and the log history), every ``--save-every`` steps and at the end of each run.
@@ -43,6 +52,9 @@ Usage::
     # --resume reuses it)
     python -m bench.train_tiny --preset tiny_long --out /work/tiny_long_ckpt --save-every 100
     python -m bench.train_tiny --out /work/tiny_long_ckpt --export-only --export polestar_jax/assets/tiny_long
+    # the LLaDA-MoE test bed of issue #45 (from scratch; list tasks, copy and reverse weighted 3)
+    python -m bench.train_tiny --preset tiny_moe --out /work/moe_ckpt --eval-every 500 --eval-n 16
+    python -m bench.train_tiny --out /work/moe_ckpt --export-only --export polestar_jax/assets/tiny_moe
 """
 from __future__ import annotations
 
@@ -60,6 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,8 +80,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 from bench import tasks as T  # noqa: E402
 from polestar_jax import cli  # noqa: E402
 from polestar_jax.models import llada as M  # noqa: E402
+from polestar_jax.models import llada_moe as MOE  # noqa: E402
 from polestar_jax.io.checkpoint import param_shapes  # noqa: E402
-from polestar_jax.config import DecodeConfig, ModelConfig  # noqa: E402
+from polestar_jax.config import DecodeConfig, ModelConfig, MoeConfig  # noqa: E402
 from polestar_jax.errors import PolestarError  # noqa: E402
 from polestar_jax.io.tokenizer import Tokenizer, asset_model_dir, load_tokenizer  # noqa: E402
 
@@ -103,6 +117,13 @@ class TrainConfig:
     max_sequence_length: int = 256
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    # the model family: "llada" (dense SwiGLU MLP of mlp_hidden) or "llada_moe" (LLaDA-MoE: q/k-norm and
+    # n_experts SwiGLU experts of mlp_hidden each, top_k per token, trained with the load-balancing loss)
+    family: str = "llada"
+    n_experts: int = 0
+    top_k: int = 0
+    # weight of the load-balancing loss (Switch / OLMoE form, see :func:`balance_loss`; MoE only)
+    aux_loss_coef: float = 0.0
     # optimizer
     lr: float = 1e-3
     warmup: int = 200
@@ -137,6 +158,15 @@ class TrainConfig:
             raise TrainError(f"gen_length {self.gen_length} must be a multiple of block_length {self.block_length}")
         if not self.tasks:
             raise TrainError("a run needs at least one task")
+        if self.family not in ("llada", "llada_moe"):
+            raise TrainError(f"family must be llada or llada_moe, got {self.family!r}")
+        if self.family == "llada_moe" and not 1 <= self.top_k <= self.n_experts:
+            raise TrainError(f"llada_moe needs 1 <= top_k <= n_experts, got top_k {self.top_k}, "
+                             f"n_experts {self.n_experts}")
+        if self.family == "llada" and (self.n_experts or self.top_k or self.aux_loss_coef):
+            raise TrainError("n_experts, top_k and aux_loss_coef are options of family llada_moe")
+        if not (np.isfinite(self.aux_loss_coef) and self.aux_loss_coef >= 0):
+            raise TrainError(f"aux_loss_coef must be finite and >= 0, got {self.aux_loss_coef}")
         unknown = [t for t in (*self.tasks, *(self.eval_tasks or ())) if t not in T.TASKS]
         if unknown:
             raise TrainError(f"unknown task(s) {', '.join(unknown)}")
@@ -174,6 +204,11 @@ class TrainConfig:
 #: a first run sat at the loss of guessing names from the pool (no copying) from step 900 to 1800, and so did
 #: a warm start without the medium lists. Half of its rows are block-structured (``block_mask_prob``, see the
 #: module docstring): run 3, trained on independent masks alone, solved no long answer by step 4,100.
+#: ``tiny_moe`` (issue #45): a 3-layer LLaDA-MoE (d_model 128, 4 heads, 8 experts of 64, top-2, q/k-norm,
+#: 858,176 parameters, ~3.4 MB) from scratch on the six list tasks of ``tiny_tasks``, copy and reverse weighted
+#: 3 (the easy tasks every cached decoder must answer; the others may stay weak), load-balancing weight 0.01
+#: (the real LLaDA-MoE config's ``router_aux_loss_coef``), a quarter of the rows block-structured, batch 32:
+#: small and short enough to train on a shared 2-core CPU within an hour.
 _LIST_TASKS = ("copy", "reverse", "sort", "insert", "remove", "replace")
 PRESETS: dict[str, dict] = {
     "tiny_tasks": {},
@@ -183,6 +218,10 @@ PRESETS: dict[str, dict] = {
                       eval_tasks=T.LONG_TASK_NAMES, init_from="tiny_tasks", steps=6000, batch=16,
                       gen_length=128, block_length=32, prompt_slot=140, max_sequence_length=384, lr=5e-4,
                       warmup=100, block_mask_prob=0.5),
+    "tiny_moe": dict(preset="tiny_moe", family="llada_moe", n_layers=3, d_model=128, n_heads=4, mlp_hidden=64,
+                     n_experts=8, top_k=2, aux_loss_coef=0.01, rope_theta=50000.0, tasks=_LIST_TASKS,
+                     task_weights=(3.0, 3.0, 1.0, 1.0, 1.0, 1.0), steps=4500, batch=32, lr=2e-3, warmup=100,
+                     block_mask_prob=0.25),
 }
 
 
@@ -198,13 +237,20 @@ def preset_config(name: str, **overrides) -> TrainConfig:
 
 def model_config(tc: TrainConfig, tok: Tokenizer) -> ModelConfig:
     v = tok.vocab_size
+    moe = (dict(family="llada_moe", moe=MoeConfig(n_experts=tc.n_experts, top_k=tc.top_k, qk_norm=True))
+           if tc.family == "llada_moe" else {})
     cfg = ModelConfig(d_model=tc.d_model, n_heads=tc.n_heads, n_kv_heads=tc.n_heads, n_layers=tc.n_layers,
                       mlp_hidden_size=tc.mlp_hidden, vocab_size=v, embedding_size=v,
                       mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                      max_sequence_length=tc.max_sequence_length, rope_theta=tc.rope_theta)
-    cfg.validate("tiny_tasks")
+                      max_sequence_length=tc.max_sequence_length, rope_theta=tc.rope_theta, **moe)
+    cfg.validate(tc.preset)
     return cfg
+
+
+def family_module(tc: TrainConfig):
+    """The model module of the run's family (:mod:`polestar_jax.models.llada` or ``llada_moe``)."""
+    return MOE if tc.family == "llada_moe" else M
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -242,15 +288,18 @@ def make_batch(rng: np.random.Generator, tc: TrainConfig, tok: Tokenizer) -> tup
     ids [b, L] int32 (answer region holds the clean answer + EOS padding; pad = EOS elsewhere),
     valid [b, L] bool (key_valid), start [b] int32 (index of the first answer token).
     """
-    b, G, P = tc.batch, tc.gen_length, tc.prompt_slot
-    L = P + G
-    eos = tok.eos_token_id
-    ids = np.full((b, L), eos, np.int32)
-    valid = np.zeros((b, L), bool)
+    rows = [T.sample_task(rng, tc.tasks, tc.task_weights) for _ in range(tc.batch)]
+    return rows_batch(tok, tc, [(prompt, answer) for _, prompt, answer in rows]), rows
+
+
+def rows_batch(tok: Tokenizer, tc: TrainConfig, pairs: Sequence[tuple[str, str]]) -> dict:
+    """The training layout (:func:`make_batch`) of the clean (prompt, answer) ``pairs``: ids, valid [n, L],
+    start [n]."""
+    b, G, P = len(pairs), tc.gen_length, tc.prompt_slot
+    ids = np.full((b, P + G), tok.eos_token_id, np.int32)
+    valid = np.zeros((b, P + G), bool)
     start = np.zeros((b,), np.int32)
-    rows = []
-    for r in range(b):
-        task, prompt, answer = T.sample_task(rng, tc.tasks, tc.task_weights)
+    for r, (prompt, answer) in enumerate(pairs):
         p = prompt_ids(tok, prompt)
         if len(p) > P:
             raise ValueError(f"instance too long for the layout (prompt {len(p)} > {P})")
@@ -259,8 +308,7 @@ def make_batch(rng: np.random.Generator, tc: TrainConfig, tok: Tokenizer) -> tup
         ids[r, n:n + G] = answer_ids(tok, answer, G)
         valid[r, :n + G] = True
         start[r] = n
-        rows.append((task, prompt, answer))
-    return {"ids": ids, "valid": valid, "start": start}, rows
+    return {"ids": ids, "valid": valid, "start": start}
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -281,7 +329,7 @@ def init_params(tc: TrainConfig, mcfg: ModelConfig) -> dict:
 
     def make(path, shape):
         name = path[-1].key
-        if name in ("attn_norm", "ff_norm", "ln_f"):
+        if name in ("attn_norm", "ff_norm", "ln_f", "q_norm", "k_norm"):
             return jnp.ones(shape, jnp.float32)
         std = 1.0 if name == "wte" else tc.init_std
         return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
@@ -340,8 +388,64 @@ def answer_mask(key: jax.Array, b: int, G: int, eps: float, block_length: int, b
     return AnswerMask(masked, t, structured)
 
 
+def balance_loss(router: jax.Array, xn: jax.Array, valid: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """The load-balancing loss of one MoE layer (Switch Transformer / OLMoE form, what the reference's
+    ``router_aux_loss_coef`` weighs): ``E * sum_e f_e * P_e`` over the valid tokens, with ``f_e`` the share of
+    the top-k assignments that go to expert ``e`` and ``P_e`` its mean router probability. 1 when routing is
+    uniform, up to ``E`` when one expert takes everything; its gradient reaches the router through ``P``.
+
+    router [D, E]; xn [b, T, D] the normed rows the router sees; valid [b, T] bool. Returns the loss (float32
+    scalar) and the shares ``f`` [E] (sum 1)."""
+    e = router.shape[-1]
+    x = xn.reshape(-1, xn.shape[-1])  # [M, D]
+    w = valid.reshape(-1).astype(jnp.float32)  # [M]
+    logits, idx, _ = MOE.route(router, x, top_k)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [M, E]
+    n = jnp.maximum(jnp.sum(w), 1.0)
+    share = jnp.einsum("m,mke->e", w, jax.nn.one_hot(idx, e, dtype=jnp.float32)) / (n * top_k)  # [E]
+    mean_p = jnp.einsum("m,me->e", w, probs) / n  # [E]
+    return e * jnp.sum(share * mean_p), share
+
+
+def dense_experts(lp: dict, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The family's MoE block (:func:`polestar_jax.models.llada_moe.moe_mlp`: the same router, the raw top-k
+    weights, SwiGLU experts) computed densely, for training on a CPU: every expert on every row, mixed with the
+    top-k weights (0 for the other experts). The same function to rounding; on the CPU, where
+    ``jax.lax.ragged_dot`` lowers to a masked product over all E groups for each of the M*k assignments,
+    this is k times fewer FLOPs (forward and backward). xn [b, T, D] -> [b, T, D]."""
+    b, t, d = xn.shape
+    x = xn.reshape(b * t, d)  # [M, D]
+    _, idx, weight = MOE.route(lp["router"], x, cfg.moe.top_k)  # [M, k] each
+    gates = jnp.sum(jax.nn.one_hot(idx, cfg.moe.n_experts, dtype=x.dtype) * weight[..., None], axis=1)  # [M, E]
+    hid = jax.nn.silu(jnp.einsum("md,edf->emf", x, lp["e_gate"])) * jnp.einsum("md,edf->emf", x, lp["e_up"])
+    y = jnp.einsum("emf,efd->emd", hid, lp["e_down"])  # [E, M, D]
+    return jnp.einsum("emd,me->md", y, gates).reshape(b, t, d)
+
+
+def moe_forward(params, ids: jax.Array, mcfg: ModelConfig, pos: jax.Array, valid: jax.Array):
+    """``llada_moe.forward(params, ids, mcfg, pos, pos, valid).h`` [b, L, D] (the family's own layer, run over
+    the layers here so that each layer's router input is at hand; its MoE block as :func:`dense_experts`),
+    the mean :func:`balance_loss` of the layers (scalar) and each layer's expert shares [N, E] over the valid
+    tokens."""
+    rope = M.Rope.at(pos, mcfg)
+
+    def body(h, lp):
+        seen = []
+
+        def mlp(lp_, xn, cfg_):  # the family's MoE block; keeps its input for the balance loss
+            seen.append(xn)
+            return dense_experts(lp_, xn, cfg_)
+
+        out = MOE.layer(lp, h, mcfg, rope, rope, valid, mlp=mlp)
+        return out.h, balance_loss(lp["router"], seen[0], valid, mcfg.moe.top_k)
+
+    h, (aux, share) = lax.scan(body, M.embed(params, ids), params["blocks"])
+    return h, jnp.mean(aux), share
+
+
 def loss_fn(params, batch: dict, key: jax.Array, mcfg: ModelConfig, tc: "TrainConfig"):
-    """LLaDA SFT loss (scalar) and the per-row loss [b]."""
+    """The training loss (scalar: LLaDA's SFT loss, plus ``aux_loss_coef`` times the load-balancing loss of
+    an MoE run) and (the per-row SFT loss [b], the balance loss: 0 for a dense model)."""
     ids, valid, start = batch["ids"], batch["valid"], batch["start"]
     b, L = ids.shape
     G = tc.gen_length
@@ -352,7 +456,10 @@ def loss_fn(params, batch: dict, key: jax.Array, mcfg: ModelConfig, tc: "TrainCo
     rows = jnp.arange(b)[:, None]
     noisy = ids.at[rows, ans_idx].set(jnp.where(masked, mcfg.mask_token_id, answer))
     pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (b, L))
-    h = M.forward(params, noisy, mcfg, pos, pos, valid).h  # [b, L, D]
+    if mcfg.moe is not None:
+        h, aux, _ = moe_forward(params, noisy, mcfg, pos, valid)  # [b, L, D], scalar
+    else:
+        h, aux = M.forward(params, noisy, mcfg, pos, pos, valid).h, jnp.float32(0.0)
     h_ans = jnp.take_along_axis(h, ans_idx[..., None], axis=1)  # [b, G, D]
     logits = M.lm_head(params, h_ans, mcfg)  # [b, G, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -360,23 +467,24 @@ def loss_fn(params, batch: dict, key: jax.Array, mcfg: ModelConfig, tc: "TrainCo
     total = jnp.sum(jnp.where(masked, ce, 0.0), axis=1)  # [b]
     n_masked = jnp.maximum(jnp.sum(masked, axis=1), 1)
     row = jnp.where(noise.structured, total / n_masked, total / t / G)  # [b]
-    return jnp.mean(row), row
+    return jnp.mean(row) + tc.aux_loss_coef * aux, (row, aux)
 
 
 @functools.lru_cache(maxsize=8)
 def make_train_step(tc: TrainConfig, mcfg: ModelConfig):
-    """The jitted ``step(state, batch) -> (state, loss, row_loss, grad_norm)`` of this configuration."""
+    """The jitted ``step(state, batch) -> (state, loss, row_loss, grad_norm, balance_loss)`` of this
+    configuration."""
     tx = make_optimizer(tc)
     base_key = jax.random.PRNGKey(tc.seed)
 
     def step(state, batch):
         key = jax.random.fold_in(jax.random.fold_in(base_key, 1), state["step"])
-        (loss, row), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (loss, (row, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], batch, key, mcfg, tc)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-        return new, loss, row, optax.tree.norm(grads)
+        return new, loss, row, optax.tree.norm(grads), aux
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -414,6 +522,16 @@ def evaluate(params, mcfg: ModelConfig, tok: Tokenizer, n_per_task: int, tc: Tra
     if return_outputs:
         return acc, list(zip(items, outputs))
     return acc
+
+
+def expert_use(params, mcfg: ModelConfig, tok: Tokenizer, tc: TrainConfig, n_per_task: int) -> np.ndarray:
+    """Each layer's share of the top-k assignments per expert [N, E] (rows sum to 1) over the prompt and
+    clean answer tokens of the first ``n_per_task`` held-out instances of each evaluation task."""
+    pairs = [pa for task in (tc.eval_tasks or tc.tasks) for pa in T.eval_instances(task, n_per_task)]
+    batch = rows_batch(tok, tc, pairs)
+    pos = jnp.broadcast_to(jnp.arange(batch["ids"].shape[1], dtype=jnp.int32), batch["ids"].shape)
+    _, _, share = jax.jit(moe_forward, static_argnums=2)(params, batch["ids"], mcfg, pos, batch["valid"])
+    return np.asarray(share)
 
 
 # ------------------------------------------------------------------------------------------------ ckpt
@@ -503,11 +621,11 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
     say = (lambda m: _log(m)) if verbose else (lambda m: None)
     if step > 0:
         say(f"resumed from {out} at step {step} (trained {meta['train_seconds'] / 60:.1f} min so far)")
-    say(f"model: {M.__name__} {tc.n_layers}L d{tc.d_model} h{tc.n_heads} mlp{tc.mlp_hidden} vocab {mcfg.vocab_size}, "
+    say(f"model: {family_module(tc).__name__} {tc.n_layers}L d{tc.d_model} h{tc.n_heads} mlp{tc.mlp_hidden} vocab {mcfg.vocab_size}, "
         f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} params; batch {tc.batch}, "
         f"rows {tc.prompt_slot}+{tc.gen_length}; steps {step} -> {stop}")
     losses: dict[int, float] = {}
-    pending = []  # (step, loss, row, gnorm, tasks) device values not yet read
+    pending = []  # (step, loss, row, gnorm, tasks, balance loss) device values not yet read
     t_run = time.perf_counter()
     t_last, n_last = t_run, step
     secs0 = meta["train_seconds"]
@@ -516,9 +634,9 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
         nonlocal pending
         if not pending:
             return
-        vals = jax.device_get([(l, r, g) for _, l, r, g, _ in pending])
+        vals = jax.device_get([(l, r, g, a) for _, l, r, g, _, a in pending])
         by_task: dict[str, list[float]] = defaultdict(list)
-        for (s, _, _, _, names), (l, r, g) in zip(pending, vals):
+        for (s, _, _, _, names, _), (l, r, g, _) in zip(pending, vals):
             losses[s] = float(l)
             for name, x in zip(names, r):
                 by_task[name].append(float(x))
@@ -526,14 +644,16 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
         gs = [float(v[2]) for v in vals]
         rec = {"step": pending[-1][0] + 1, "loss": float(np.mean(ls)), "grad_norm": float(np.mean(gs)),
                "task_loss": {k: round(float(np.mean(v)), 4) for k, v in sorted(by_task.items())}}
+        if tc.family == "llada_moe":
+            rec["balance_loss"] = round(float(np.mean([float(v[3]) for v in vals])), 4)
         pending = []
         return rec
 
     eval_engine = None
     while step < stop:
         batch, rows = make_batch(rng, tc, tok)
-        state, loss, row, gnorm = step_fn(state, batch)
-        pending.append((step, loss, row, gnorm, [r[0] for r in rows]))
+        state, loss, row, gnorm, aux = step_fn(state, batch)
+        pending.append((step, loss, row, gnorm, [r[0] for r in rows], aux))
         step += 1
         elapsed = time.perf_counter() - t_run
         out_of_time = max_minutes is not None and elapsed > 60 * max_minutes
@@ -545,7 +665,8 @@ def train(tc: TrainConfig, out: str, resume: bool = False, max_minutes: Optional
             rec["minutes"] = round((secs0 + now - t_run) / 60, 2)
             meta["history"].append(rec)
             tl = " ".join(f"{k}={v:.3f}" for k, v in rec["task_loss"].items())
-            say(f"step {step:6d} loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.2f} "
+            bal = f" balance {rec['balance_loss']:.3f}" if "balance_loss" in rec else ""
+            say(f"step {step:6d} loss {rec['loss']:.4f}{bal} gnorm {rec['grad_norm']:.2f} "
                 f"{rec['s_per_step']:.3f}s/step {rec['minutes']:.1f}min | {tl}")
         if eval_every and (step % eval_every == 0 or step == stop) and eval_n > 0:
             t0 = time.perf_counter()
@@ -606,7 +727,10 @@ def export(result: dict, tc: TrainConfig, out_dir: str, eval_n: int = 200) -> di
     mcfg, tok, meta = result["mcfg"], result["tok"], result["meta"]
     params = result["state"]["params"]
     os.makedirs(out_dir, exist_ok=True)
-    export_hf(out_dir, mcfg, jax.device_get(params), extra_config={"bos_token_id": tok.bos_token_id})
+    extra = {"bos_token_id": tok.bos_token_id}
+    if mcfg.moe is not None:  # the weight of the load-balancing loss it was trained with (the HF key)
+        extra["router_aux_loss_coef"] = tc.aux_loss_coef
+    export_hf(out_dir, mcfg, jax.device_get(params), extra_config=extra)
     copy_aux_files(asset_model_dir(TOKENIZER_SOURCE), out_dir,
                    names=("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                           "generation_config.json"))
@@ -633,23 +757,31 @@ def export(result: dict, tc: TrainConfig, out_dir: str, eval_n: int = 200) -> di
     t0 = time.perf_counter()
     acc = evaluate(params2, cfg2, tok2, eval_n, tc)
     eval_s = time.perf_counter() - t0
+    use = expert_use(params2, cfg2, tok2, tc, 32) if cfg2.moe is not None else None
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write(_readme(tc, mcfg, meta, acc, eval_n, eval_s, int(result["state"]["step"]),
-                        sum(x.size for x in jax.tree.leaves(params))))
+                        sum(x.size for x in jax.tree.leaves(params)), use))
     return acc
 
 
 def _readme(tc: TrainConfig, mcfg: ModelConfig, meta: dict, acc: dict, eval_n: int, eval_s: float,
-            step: int, n_params: int) -> str:
+            step: int, n_params: int, use: Optional[np.ndarray] = None) -> str:
     cmds = "\n".join(c for c in meta.get("commands", []) if c)
     rows = "\n".join(f"| {k} | {acc[k] * 100:.1f}% | {T.TASKS[k].doc} |" for k in acc)
     last = meta["history"][-1] if meta.get("history") else {}
-    long = tc.preset == "tiny_long"
+    long, moe = tc.preset == "tiny_long", tc.family == "llada_moe"
     title = ("tiny_long: a tiny LLaDA trained on long-answer list tasks" if long else
+             f"{tc.preset}: a tiny LLaDA-MoE trained on synthetic list tasks" if moe else
              "tiny_tasks: a tiny LLaDA trained on synthetic list and arithmetic tasks")
-    issue = "issue #13" if long else "issue #6"
+    issue = "issue #13" if long else "issue #45" if moe else "issue #6"
     bed = ("the long-answer test bed (answers of 55-99 tokens, several 32-token blocks)" if long
+           else "the mixture-of-experts test bed for decoder accuracy versus speed" if moe
            else "the test bed for decoder accuracy versus speed")
+    arch = (f"LLaDA-MoE-architecture model (`LLaDAMoEModelLM`: d_model {tc.d_model}, {tc.n_heads} heads with "
+            f"q/k-norm, {tc.n_experts} SwiGLU experts of {tc.mlp_hidden} per layer, top-{tc.top_k} routing"
+            if moe else f"LLaDA-architecture model (d_model {tc.d_model}, {tc.n_heads} heads, MLP {tc.mlp_hidden}")
+    objective = ("LLaDA's SFT objective plus the load-balancing loss (weight "
+                 f"{tc.aux_loss_coef:g}, `bench.train_tiny.balance_loss`)" if moe else "LLaDA's SFT objective")
     formats = "bench/tasks/long.py" if long else "bench/tasks/__init__.py"
     # an export of a step before the end of its schedule says so (the lr never reached its floor)
     mid = step < tc.steps
@@ -657,10 +789,10 @@ def _readme(tc: TrainConfig, mcfg: ModelConfig, meta: dict, acc: dict, eval_n: i
     end_at = f" at step {tc.steps:,}" if mid else ""
     return f"""# {title}
 
-A {tc.n_layers}-layer LLaDA-architecture model (d_model {tc.d_model}, {tc.n_heads} heads, MLP {tc.mlp_hidden},
+A {tc.n_layers}-layer {arch},
 {n_params:,} float32 parameters) with the byte-level tokenizer and LLaDA chat template of `tiny_random`,
 trained {'from scratch' if tc.init_from is None else f'from the weights of `{tc.init_from}`'} on CPU by
-`bench/train_tiny.py` with LLaDA's SFT objective on the tasks of `bench/tasks` ({issue}). It is {bed}.
+`bench/train_tiny.py` with {objective} on the tasks of `bench/tasks` ({issue}). It is {bed}.
 
 * Generation length **{tc.gen_length}** (answers padded with `<|endoftext|>`), block length {tc.block_length}.
   Decode with `--gen-length {tc.gen_length} --block-length {tc.block_length}`; other lengths were never trained.
@@ -690,6 +822,25 @@ evaluated on the exported folder ({eval_s:.0f} s):
 {rows}
 
 Task formats are documented in `{formats}`.
+{_use_section(use, tc)}"""
+
+
+def _use_section(use: Optional[np.ndarray], tc: TrainConfig) -> str:
+    """The README's expert-use table (MoE runs; empty otherwise)."""
+    if use is None:
+        return ""
+    head = " | ".join(str(e) for e in range(use.shape[1]))
+    rows = "\n".join(f"| {i} | " + " | ".join(f"{100 * x:.0f}%" for x in r) + " |" for i, r in enumerate(use))
+    return f"""
+## Expert use
+
+Share of the top-{tc.top_k} assignments that each expert receives, per layer, over the prompt and clean answer
+tokens of the first 32 held-out instances of each task above (`bench.train_tiny.expert_use`; uniform routing
+would give {100 / use.shape[1]:.1f}% each):
+
+| layer | {head} |
+|---|{'---|' * use.shape[1]}
+{rows}
 """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -211,3 +212,61 @@ def test_main_resumes_with_the_checkpoints_configuration(tmp_path, capsys):
     assert "configuration differs" in capsys.readouterr().err
     assert TT.main(["--out", str(out), "--resume", "--preset", "tiny_long", *quiet]) == 2
     assert "is a tiny_tasks run" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the MoE preset (issue #45)
+TINY_MOE = dataclasses.replace(TINY, family="llada_moe", n_experts=4, top_k=2, mlp_hidden=16, aux_loss_coef=0.01,
+                               tasks=("copy", "reverse"))
+
+
+def test_moe_training_forward_is_the_familys_and_its_balance_loss_is_switchs():
+    """The MoE run's training forward gives ``llada_moe.forward``'s hidden states, and its load-balancing loss
+    and expert shares are ``E * sum_e f_e P_e`` recomputed in numpy from the family's own router diagnostic
+    (``llada_moe.routing``) over the valid tokens alone (keys beyond them hidden); the loss reaches the router."""
+    from polestar_jax.models import llada_moe as MOE
+
+    tok = TT.load_tokenizer(TT.asset_model_dir(TT.TOKENIZER_SOURCE))
+    mcfg = TT.model_config(TINY_MOE, tok)
+    assert mcfg.family == "llada_moe" and (mcfg.moe.n_experts, mcfg.moe.top_k) == (4, 2)
+    params = TT.init_params(dataclasses.replace(TINY_MOE, init_std=0.3), mcfg)
+    ids = np.random.default_rng(0).integers(0, 256, (2, 20)).astype(np.int32)
+    n = 14  # valid prefix of every row: its hidden states are a forward over ids[:, :n]
+    valid = np.arange(20)[None].repeat(2, 0) < n
+    pos = np.broadcast_to(np.arange(20, dtype=np.int32), (2, 20))
+    # one compile for the training side (values and the router's gradient), one for the family's references
+    (aux, (h, share)), g = jax.jit(jax.value_and_grad(lambda pr: (lambda o: (o[1], (o[0], o[2])))(
+        TT.moe_forward(pr, ids, mcfg, pos, valid)), has_aux=True))(params)
+    want, routed = jax.jit(lambda pr: (MOE.forward(pr, ids, mcfg, pos, pos, valid).h,
+                                       MOE.routing(pr, ids[:, :n], mcfg)))(params)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(want), rtol=1e-5, atol=2e-5)  # (rounding)
+
+    logits, idx, _ = (np.asarray(a) for a in routed)  # [N, 2n, E], [N, 2n, k]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    f = np.stack([np.bincount(i.ravel(), minlength=4) / i.size for i in idx])  # [N, E]
+    ref = np.mean([4 * np.sum(fl * pl.mean(0)) for fl, pl in zip(f, p)])
+    np.testing.assert_allclose(np.asarray(share), f, atol=1e-6)
+    np.testing.assert_allclose(float(aux), ref, rtol=1e-5)
+    assert (f > 0).sum(-1).min() > 1  # (a random router spreads the tokens: the check is not vacuous)
+    assert float(jnp.abs(g["blocks"]["router"]).max()) > 0
+
+
+def test_moe_preset_trains_and_validates(tmp_path):
+    """A tiny MoE run: the loss falls, the balance loss is logged, and the option checks are one-line errors."""
+    res = _run(TINY_MOE, tmp_path / "moe")
+    losses = [res["losses"][s] for s in range(TINY_MOE.steps)]
+    assert all(np.isfinite(losses)) and np.mean(losses[-6:]) < np.mean(losses[:4]) - 0.5, losses
+    assert 1.0 <= res["meta"]["history"][-1]["balance_loss"] < 4.0  # E * sum f P lies in [1, E]
+    assert "e_gate" in res["state"]["params"]["blocks"] and "w_gate" not in res["state"]["params"]["blocks"]
+    tc = TT.preset_config("tiny_moe")
+    assert tc.family == "llada_moe" and tc.aux_loss_coef > 0 and TT.TrainConfig.from_json(tc.to_json()) == tc
+    tok = TT.load_tokenizer(TT.asset_model_dir(TT.TOKENIZER_SOURCE))
+    for task in tc.tasks:  # every training task fits the layout
+        for p, a in T.eval_instances(task, 50):
+            assert len(TT.prompt_ids(tok, p)) <= tc.prompt_slot and len(a) < tc.gen_length
+    for bad, match in [(dict(top_k=5), "top_k"), (dict(family="dense"), "family"),
+                       (dict(aux_loss_coef=-1.0), "aux_loss_coef")]:
+        with pytest.raises(TT.TrainError, match=match):
+            dataclasses.replace(TINY_MOE, **bad)
+    with pytest.raises(TT.TrainError, match="options of family llada_moe"):
+        dataclasses.replace(TINY, n_experts=4)
