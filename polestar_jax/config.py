@@ -871,7 +871,7 @@ class DecodeConfig:
         if not 0.0 < self.schedule_eps < 1.0:
             raise ConfigError(f"schedule_eps must be in (0, 1), got {self.schedule_eps}")
         if self.decoder not in ("polestar", "polestar_v") and self.polestar != PolestarConfig():
-            raise ConfigError(f"Polestar settings apply to decoders 'polestar' and 'polestar_v' only (decoder is "
+            raise ConfigError(f"Polestar settings apply to decoder 'polestar' only, or 'polestar_v' (decoder is "
                               f"{self.decoder!r})")
         if self.decoder == "polestar":
             self._validate_polestar()

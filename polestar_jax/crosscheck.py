@@ -725,6 +725,22 @@ def own_choice_report(res, row: int) -> str:
     return f"own cluster choice differed in {clusters}/{n} refreshes, own labels in {labels} window rows"
 
 
+def llada_v_passes(res, row: int, pad: int) -> list[tuple[str, int]]:
+    """The passes of ``row`` of a ``polestar_v`` result as the golden ``passes`` name them: ``(kind, first
+    position)`` with kind ``block_start``, ``cluster_refresh``, ``prefix_refresh`` or ``decode`` (``pad``: the
+    row's left padding in the prompt slot)."""
+    out = []
+    for blk, st in enumerate(res.steps or []):
+        if int(res.block_nfe[row, blk]) == 0:
+            continue
+        out.append(("block_start", 0))
+        for i in np.nonzero(np.asarray(st.active)[:, row])[0]:
+            kind = ("cluster_refresh" if st.refresh[i, row] else "prefix_refresh" if st.prefix[i, row]
+                    else "decode")
+            out.append((kind, int(st.start[i, row]) - pad if kind != "prefix_refresh" else 0))
+    return out
+
+
 def replay_llada_v_folder(folder: str, params, cfg, pad_multiple: int = 16,
                           progress: Callable[[CaseResult], None] = lambda r: None, batch: int = 1,
                           mesh=None) -> list[CaseResult]:
@@ -788,7 +804,16 @@ def replay_llada_v_folder(folder: str, params, cfg, pad_multiple: int = 16,
                                         case["nfe"], traj, None, [b["block_nfe"] for b in case["block_stats"]],
                                         exact_trajectory=True)
                 if dcfg.decoder == "polestar_v":
-                    got = dc.replace(got, detail="; ".join(x for x in (got.detail, own_choice_report(res, r)) if x))
+                    want = [(p["kind"], int(p["start"])) for p in case.get("passes", [])]
+                    ours = llada_v_passes(res, r, slot - len(prompts[r]))
+                    notes = [got.detail] if got.detail else []
+                    if ours != want:
+                        f = next(j for j, (a, b) in enumerate(zip(ours + [None] * len(want), want + [None] * len(ours)))
+                                 if a != b)
+                        notes.append(f"pass {f}: ours {ours[f] if f < len(ours) else None} vs reference "
+                                     f"{want[f] if f < len(want) else None}")
+                    got = dc.replace(got, status="fail" if ours != want else got.status,
+                                     detail="; ".join(notes + [own_choice_report(res, r)]))
                 add(got)
     return results
 
