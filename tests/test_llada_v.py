@@ -415,3 +415,27 @@ def test_polestar_v_configuration_is_checked():
         with pytest.raises(ConfigError) as e:
             DecodeConfig(**base, **kw)
         assert word in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_polestar_v_rows_decode_alone_in_any_batch(tiny_a, tiny_a_cases):
+    """Beyond the reference (batch 1): ``polestar_v`` with its own k-means draws on a text model, three
+    prompts of different lengths in one lockstep batch and in a running batch of two slots (rows inserted at
+    block boundaries, the per-row program): every row decodes the same tokens with the same forwards, and the
+    refreshes and early commits take part."""
+    from engines import engine_for
+
+    from polestar_jax.config import DecodeConfig, PolestarConfig
+
+    cfg, params = tiny_a
+    prompts = [tiny_a_cases["generate_cases"][i]["prompt_ids"] for i in (0, 39, 78)]
+    assert len({len(p) for p in prompts}) == 3
+    dcfg = DecodeConfig(decoder="polestar_v", cache="prefix", gen_length=32, block_length=8, threshold=0.7,
+                        early_exit=False, polestar=PolestarConfig(early_threshold=0.3, gate_scale=0.5))
+    eng = engine_for(params, cfg)
+    fixed = eng.generate(prompts, dcfg)
+    running = eng.generate(prompts, dcfg, batch_size=2)
+    for a, b in zip(fixed.rows, running.rows):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.block_nfe, b.block_nfe)
+    assert sum(int(r.polestar["refresh_steps"].sum()) for r in fixed.rows) > 0
+    assert sum(int(r.polestar["early"]) for r in fixed.rows) > 0
