@@ -32,7 +32,7 @@ from jax import lax
 from polestar_jax.decode.commit import commit_threshold, noise_keys, predict
 from polestar_jax.decode.policy import BlockCtx, Policy, register_policy, write_commits
 from polestar_jax.decode.polestar.drift import drift_delta, push_history
-from polestar_jax.decode.polestar_v.select import Selection, select
+from polestar_jax.decode.polestar_v.select import Selection, select, unit
 from polestar_jax.decode.polestar_v.state import V_STATE, VConfig, VState
 from polestar_jax.decode.rows import batch_any
 from polestar_jax.decode.state import DecodeState, select_rows
@@ -165,7 +165,7 @@ def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, VSt
     p = lax.cond(batch_any(fresh),
                  lambda: full_length_pass(ctx, state, write_from, jnp.where(fresh, first, 0), active),
                  lambda: prefix_pass(ctx, state, active))
-    d = 1.0 - jnp.sum(_unit(ctx.rows(p.hidden)) * _unit(prev), axis=-1)  # [b, B]
+    d = 1.0 - jnp.sum(unit(ctx.rows(p.hidden)) * unit(prev), axis=-1)  # [b, B]
     delta = drift_delta(d, pol.hist, pol.hist_fill)
     hist, fill = push_history(pol.hist, pol.hist_fill, d)
     masked = ctx.masked(state)
@@ -185,11 +185,6 @@ def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, VSt
     out = VStepOut(active, refresh, prefix, write_from, d, delta, sel.clusters & refresh[:, None],
                    sel.own & refresh[:, None], jnp.where(refresh, sel.labels_differ, 0), thr, early & ~thr)
     return select_rows(active, new, state), out
-
-
-def _unit(x: jax.Array) -> jax.Array:
-    x = x.astype(jnp.float32)
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def empty_steps(ctx: BlockCtx, n_steps: int) -> VStepOut:

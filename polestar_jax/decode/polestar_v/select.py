@@ -85,7 +85,8 @@ def own_draws(rng: jax.Array, forward: jax.Array, n: jax.Array, w: int, vc: VCon
     return KMeansDraws(init, reseed, jnp.zeros((it, w), jnp.int32), jnp.bool_(False))
 
 
-def _normalize(x: jax.Array) -> jax.Array:
+def unit(x: jax.Array) -> jax.Array:
+    """``x`` in float32 divided by its norm over the last axis (at least 1e-12; PyTorch's ``F.normalize``)."""
     x = x.astype(jnp.float32)
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), NORM_EPS)
 
@@ -114,8 +115,8 @@ def select(hidden: jax.Array, key_valid: jax.Array, prev_block: jax.Array, rng: 
         given = at_forward(replay.km_labels, forward)[:, :w]
         labels = jnp.where(forced[:, None] & valid_rows, given, own_labels)
         differ = jnp.sum((labels != own_labels) & valid_rows, axis=1).astype(jnp.int32)
-    q = _normalize(jnp.mean(prev_block.astype(jnp.float32), axis=1))  # [b, D]
-    sim = jnp.einsum("bkd,bd->bk", _normalize(cent), q)
+    q = unit(jnp.mean(prev_block.astype(jnp.float32), axis=1))  # [b, D]
+    sim = jnp.einsum("bkd,bd->bk", unit(cent), q)
     drift = jnp.where(slot[None] < k[:, None], 1.0 - sim, -jnp.inf)
     top = jnp.minimum(vc.top_k, k)
     _, idx = lax.top_k(drift, min(vc.top_k, k_max))
