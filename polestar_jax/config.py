@@ -568,6 +568,7 @@ class Decoder(Mode):
     llada = "llada"
     fastdllm = "fastdllm"
     polestar = "polestar"
+    polestar_v = "polestar_v"
 
 
 class Cache(Mode):
@@ -821,12 +822,19 @@ class DecodeConfig:
     * ``decoder="fastdllm"``: Fast-dLLM's sampler: ``threshold`` (commit every candidate with
       confidence >= threshold, the most confident always), ``factor`` (Fast-dLLM's dynamic rule) or, with
       neither, the fixed schedule; ``cache`` ``none`` / ``prefix`` / ``dual``.
+    * ``decoder="polestar_v"``: the official LLaDA-V code's Polestar: Fast-dLLM's prefix cache and threshold
+      rule, one k-means over the final hidden states of the prompt and a window, refreshes from the smallest
+      selected position, early commits gated by the block's cosine drift (``cache="prefix"``; knobs: the
+      ``polestar`` fields it shares with the LLaDA path's, :mod:`polestar_jax.decode.polestar_v`).
     """
 
     decoder: Decoder = knob("polestar", "llada (fixed tokens per forward), fastdllm (threshold/factor rules, "
-                                    "caches) or polestar (dual cache + Polestar-Cache/Commit)",
+                                    "caches), polestar (dual cache + Polestar-Cache/Commit) or polestar_v "
+                                    "(LLaDA-V's official Polestar: prefix cache, one k-means over final hidden "
+                                    "states)",
                         choices=DECODERS)
-    cache: Cache = knob("dual", "KV cache: none, prefix or dual (llada: none only; polestar: dual only)",
+    cache: Cache = knob("dual", "KV cache: none, prefix or dual (llada: none only; polestar: dual only; "
+                                "polestar_v: prefix only)",
                       choices=CACHES, cli_default=None)
     gen_length: int = knob(128, "tokens to generate", cli_default=None)
     block_length: int = knob(32, "tokens per block (decoded left to right)", cli_default=None)
@@ -904,16 +912,44 @@ class DecodeConfig:
             raise ConfigError("start_commit 'first' applies to decoder 'fastdllm' with a cache (prefix or dual)")
         if not 0.0 < self.schedule_eps < 1.0:
             raise ConfigError(f"schedule_eps must be in (0, 1), got {self.schedule_eps}")
-        if self.decoder != "polestar" and self.polestar != PolestarConfig():
-            raise ConfigError(f"Polestar settings apply to decoder 'polestar' only (decoder is {self.decoder!r})")
+        if self.decoder not in ("polestar", "polestar_v") and self.polestar != PolestarConfig():
+            raise ConfigError(f"Polestar settings apply to decoder 'polestar' only, or 'polestar_v' (decoder is "
+                              f"{self.decoder!r})")
         if self.decoder == "polestar":
             self._validate_polestar()
+        if self.decoder == "polestar_v":
+            self._validate_polestar_v()
         if self.decoder == "llada":
             if self.cache != "none":
                 raise ConfigError("decoder 'llada' has no cache (use --cache none or decoder fastdllm)")
             if self.threshold is not None or self.factor is not None:
                 raise ConfigError("decoder 'llada' commits a fixed number of tokens per step; "
                                   "threshold/factor belong to decoder 'fastdllm'")
+
+    #: The PolestarConfig fields decoder ``polestar_v`` reads (the others belong to the LLaDA path's Polestar
+    #: and must keep their defaults with it: never a silently ignored setting).
+    POLESTAR_V_FIELDS = ("n_clusters", "prefix_blocks", "suffix_blocks", "kmeans_iters", "top_k",
+                         "trigger_commits", "trigger_accum", "history", "early_threshold", "gate_center",
+                         "gate_scale", "gate_max_delta")
+
+    def _validate_polestar_v(self) -> None:
+        pc = self.polestar
+        if self.cache != "prefix":
+            raise ConfigError("decoder 'polestar_v' runs on the prefix cache (use --cache prefix)")
+        if self.threshold is None or self.factor is not None:
+            raise ConfigError("decoder 'polestar_v' needs a confidence threshold (and no factor rule)")
+        if self.remasking != "low_confidence":
+            raise ConfigError("decoder 'polestar_v' supports remasking low_confidence only")
+        default = PolestarConfig()
+        other = [f.name for f in dataclasses.fields(PolestarConfig)
+                 if f.name not in self.POLESTAR_V_FIELDS and getattr(pc, f.name) != getattr(default, f.name)]
+        if other:
+            raise ConfigError(f"Polestar setting(s) {', '.join(other)} do not apply to decoder 'polestar_v' "
+                              "(LLaDA-V's Polestar)")
+        if pc.early_threshold is not None and pc.early_threshold >= self.threshold:
+            raise ConfigError(f"invalid Polestar setting: early_threshold {pc.early_threshold} is not below the "
+                              f"threshold {self.threshold}, so early commit could never fire (use none to "
+                              "switch it off)")
 
     def _validate_polestar(self) -> None:
         pc, B = self.polestar, self.block_length

@@ -25,6 +25,15 @@
   rule (``PolestarConfig.tie_break``) and must match ``block_stats`` too; the detail reports the own
   cluster choices and how the structural ties were decided. A case that cannot run is a failure.
 
+* **LLaDA-V format** (``config.json`` with ``model_type`` "llava_llada", made by the official Polestar LLaDA-V
+  code; the weights may be ``model.safetensors.gz``): ``cases.json`` with first-pass ``logits_cases`` per
+  image (spliced prompt rows, logits, final hidden states, rotated layer-0 keys, every row's argmax and
+  maximum probability) and ``generate_cases`` named ``method/<image>/q<i>/g<gen>_b<block>_s<steps>``
+  (``polestar``: decoder ``polestar_v`` with the k-means draws, final labels and cluster selections of
+  ``decisions/<stem>.json.gz`` injected; ``fastdllm_prefix``: Fast-dLLM's prefix cache): output ids, NFE,
+  the commits of every forward and each block's NFE must match exactly; the detail of a Polestar case says
+  how often the own labels and cluster choice differed from the injected ones.
+
 The last line is ``N passed, M failed[, K skipped]``; the exit status is 1 when anything failed and 2 for
 bad input (missing folder, unreadable files).
 """
@@ -568,12 +577,245 @@ def _check_dream_polestar_case(case: dict, res, row: int) -> CaseResult:
     return r
 
 
-def _is_dream_folder(folder: str) -> bool:
+def _model_type(folder: str) -> Optional[str]:
+    """The ``model_type`` of a folder's ``config.json`` (None when it has none or cannot be read)."""
     try:
         with open(os.path.join(folder, "config.json")) as f:
-            return json.load(f).get("model_type") == "Dream"
+            return json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
+
+
+# -------------------------------------------------------------------------------------- LLaDA-V format
+def llada_v_model_folder(folder: str, scratch: str) -> str:
+    """A loadable model folder for a LLaDA-V golden folder: ``folder`` itself when it has its weights, else
+    ``scratch`` with ``model.safetensors.gz`` unpacked beside the config and the tower folder (linked)."""
+    import gzip
+    import shutil
+
+    if not os.path.isfile(os.path.join(folder, "model.safetensors.gz")) or os.path.isfile(
+            os.path.join(folder, "model.safetensors")):
+        return folder
+    os.makedirs(scratch, exist_ok=True)
+    for name in os.listdir(folder):
+        src, dst = os.path.abspath(os.path.join(folder, name)), os.path.join(scratch, name)
+        if name == "config.json" or (os.path.isdir(src) and os.path.isfile(os.path.join(src, "config.json"))):
+            if not os.path.lexists(dst):
+                os.symlink(src, dst)
+    try:
+        with gzip.open(os.path.join(folder, "model.safetensors.gz")) as f, \
+                open(os.path.join(scratch, "model.safetensors"), "wb") as out:
+            shutil.copyfileobj(f, out)
+    except (OSError, EOFError) as e:
+        raise PolestarError(f"{folder}: cannot unpack model.safetensors.gz ({e})") from None
+    return scratch
+
+
+def llada_v_decode_config(case: dict):
+    """The :class:`DecodeConfig` of one LLaDA-V ``generate_cases`` entry: ``polestar`` (``use_cluster=True``)
+    is decoder ``polestar_v``, ``fastdllm_prefix`` Fast-dLLM's prefix cache (no step after a full pass that
+    filled the block)."""
+    from polestar_jax.config import DecodeConfig, PolestarConfig
+
+    s = case["settings"]
+    if float(s.get("temperature", 0.0)) != 0.0:
+        raise PolestarError("temperature > 0 draws torch random numbers; cannot replay")
+    common = dict(gen_length=int(s["gen_length"]), block_length=int(s["block_length"]), steps=int(s["steps"]),
+                  threshold=s.get("threshold", 0.9))
+    if s.get("use_cluster"):
+        return DecodeConfig(decoder="polestar_v", cache="prefix",
+                            polestar=PolestarConfig(early_threshold=s.get("threshold_early")), **common)
+    return DecodeConfig(decoder="fastdllm", cache="prefix", step_after_full_pass=False, **common)
+
+
+def _llada_v_logits_case(folder: str, tag: str, case: dict, params, cfg, rows) -> CaseResult:
+    """A first-pass case: spliced prompt rows, logits (active columns; the others exactly 0), final hidden
+    states, layer-0 rotated keys, and the full-vocabulary argmax / max probability of every row."""
+    import jax
+    import jax.numpy as jnp
+
+    from polestar_jax.models import llada
+    from polestar_jax.models import llada_v as lv
+
+    name = f"logits/{tag}"
+    try:
+        pe = lv.splice(params, case["input_ids"], [rows], cfg)
+        used = {"prompt rows": _budget_used(np.asarray(pe[::4]), np.load(os.path.join(folder,
+                                                                                       case["prompt_embeds_file"])))}
+        gen = case["total_len"] - case["prompt_len"]
+        x = jnp.concatenate([pe, jnp.broadcast_to(params["wte"][cfg.mask_token_id], (gen, cfg.d_model))])[None]
+        pos = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+        out = lv.forward(params, None, cfg, pos, pos, None, embeds=x)
+        r0, r1 = case["rows"]
+        with open(os.path.join(folder, "recipe.json")) as f:
+            active = json.load(f)["active_out"]
+        logits = np.asarray(lv.lm_head(params, out.h[:, r0:r1], cfg))[0]
+        used["logits"] = _budget_used(logits[:, active], np.load(os.path.join(folder, case["logits_file"])))
+        final = np.asarray(llada.rms_norm(out.h[:, r0:r1], params["ln_f"], cfg.rms_norm_eps))[0]
+        used["final hidden"] = _budget_used(final, np.load(os.path.join(folder, case["final_hidden_file"])))
+        k_rot = np.asarray(llada.Rope.at(pos, cfg).rotate(out.kv[0][0]))[0][:, r0:r1]
+        used["keys"] = _budget_used(k_rot, np.load(os.path.join(folder, case["k_layer0_file"])))
+        head = jax.jit(lambda h: (lambda lg: (jnp.argmax(lg, -1), jnp.max(jax.nn.softmax(lg, -1), -1)))(
+            lv.lm_head(params, h, cfg)))
+        am, mp = zip(*(head(out.h[:, i:i + 128]) for i in range(0, out.h.shape[1], 128)))
+        am, mp = np.concatenate([np.asarray(a)[0] for a in am]), np.concatenate([np.asarray(m)[0] for m in mp])
+        same = int(np.sum(am == np.asarray(case["argmax_all_rows"])))
+        used["max prob"] = _budget_used(mp, np.asarray(case["maxprob_all_rows"]))
+        inactive_zero = not np.delete(logits, active, axis=1).any()
+        ok = all(u <= 1.0 for u in used.values()) and same == len(am) and inactive_zero
+        detail = ", ".join(f"{k} {u:.0%}" for k, u in used.items()) + f" of tolerance; argmax {same}/{len(am)}"
+        return CaseResult(name, "pass" if ok else "fail", detail + ("" if inactive_zero else
+                                                                    "; inactive logit columns not 0"))
+    except (OSError, KeyError, ValueError) as e:
+        return CaseResult(name, "fail", f"cannot replay: {e}")
+
+
+def _image_rows_engine(params, cfg, mesh=None):
+    """An :class:`~polestar_jax.engine.engine.Engine` whose prompts may name a batch's image rows (ids past the
+    embedding, :func:`polestar_jax.models.llada_v.with_image_rows`; set ``table`` to their number before a
+    run); everything else is the engine's."""
+    from polestar_jax.engine.engine import Engine, check_prompts
+
+    class ImageRowsEngine(Engine):
+        table = 0
+
+        def check(self, prompts, dcfg, *args, **kwargs):
+            e = self.config.embedding_size
+            check_prompts([[e - 1 if e <= i < e + self.table else int(i) for i in p] for p in prompts],
+                          self.config, dcfg)
+
+    return ImageRowsEngine(params, cfg, mesh=mesh)
+
+
+def llada_v_replay(folder: str, cases: list, dcfg, slot: int, force: bool = True):
+    """The :class:`~polestar_jax.decode.polestar_v.select.VReplay` of LLaDA-V Polestar cases (one row per case):
+    the k-means draws of every pass and (``force``) the final labels and the selected clusters of each case's
+    ``decisions`` file."""
+    import jax.numpy as jnp
+
+    from polestar_jax.decode.polestar_v.replay import build_replay
+    from polestar_jax.decode.polestar_v.state import VConfig
+
+    vc = VConfig.from_decode(dcfg)
+    reps = []
+    for case in cases:
+        stem = re.sub(r"_s\d+$", "", case["name"].replace("/", "_"))
+        path = os.path.join(folder, "decisions", stem + ".json.gz")
+        try:
+            import gzip
+
+            with gzip.open(path, "rt") as f:
+                decisions = json.load(f)
+        except (OSError, ValueError, EOFError) as e:
+            raise PolestarError(f"{path}: cannot read ({e})") from None
+        reps.append(build_replay(decisions, vc, vc.window_rows(slot, dcfg.block_length),
+                                 dcfg.num_blocks * dcfg.block_length, force, force))
+    return type(reps[0])(*(jnp.concatenate(a, axis=0) for a in zip(*reps)))
+
+
+def own_choice_report(res, row: int) -> str:
+    """How often this implementation's own k-means labels and cluster choice differed from the injected ones
+    in the refreshes of ``row`` (decoder ``polestar_v``)."""
+    n = clusters = labels = 0
+    for st in res.steps or []:
+        for i in np.nonzero(np.asarray(st.refresh)[:, row])[0]:
+            n += 1
+            clusters += bool((np.asarray(st.clusters[i, row]) != np.asarray(st.own[i, row])).any())
+            labels += int(st.labels_differ[i, row])
+    return f"own cluster choice differed in {clusters}/{n} refreshes, own labels in {labels} window rows"
+
+
+def llada_v_passes(res, row: int, pad: int) -> list[tuple[str, int]]:
+    """The passes of ``row`` of a ``polestar_v`` result as the golden ``passes`` name them: ``(kind, first
+    position)`` with kind ``block_start``, ``cluster_refresh``, ``prefix_refresh`` or ``decode`` (``pad``: the
+    row's left padding in the prompt slot)."""
+    out = []
+    for blk, st in enumerate(res.steps or []):
+        if int(res.block_nfe[row, blk]) == 0:
+            continue
+        out.append(("block_start", 0))
+        for i in np.nonzero(np.asarray(st.active)[:, row])[0]:
+            kind = ("cluster_refresh" if st.refresh[i, row] else "prefix_refresh" if st.prefix[i, row]
+                    else "decode")
+            out.append((kind, int(st.start[i, row]) - pad if kind != "prefix_refresh" else 0))
+    return out
+
+
+def replay_llada_v_folder(folder: str, params, cfg, pad_multiple: int = 16,
+                          progress: Callable[[CaseResult], None] = lambda r: None, batch: int = 1,
+                          mesh=None) -> list[CaseResult]:
+    """Replays a LLaDA-V golden folder: the first-pass cases and every generate case (output ids, NFE, the
+    commits of every forward and each block's NFE exactly), ``batch`` cases of one setting at a time; Polestar
+    cases take the k-means draws, final labels and cluster selections of their ``decisions`` file."""
+    import dataclasses as dc
+
+    import jax
+
+    from polestar_jax.engine.engine import prompt_slot
+    from polestar_jax.models import image as img
+    from polestar_jax.models import llada_v as lv
+    from polestar_jax.models import vision
+
+    data = _read_json(os.path.join(folder, "cases.json"))
+    results: list[CaseResult] = []
+
+    def add(r: CaseResult):
+        results.append(r)
+        progress(r)
+
+    encode = jax.jit(lambda p, px: vision.encode(p, px, cfg.vision))
+    rows_of: dict = {}
+
+    def image_rows(rel: str):
+        if rel not in rows_of:
+            px = img.preprocess(os.path.join(folder, rel), cfg.vision)
+            feats = encode(params, np.asarray(px.pixels, np.float32))
+            rows_of[rel] = lv.image_rows(feats, px.size, px.grid, params["image_newline"], cfg.vision)
+        return rows_of[rel]
+
+    for tag, case in (data.get("logits_cases") or {}).items():
+        add(_llada_v_logits_case(folder, tag, case, params, cfg, image_rows(f"images/{tag}.png")))
+
+    gen_cases = data.get("generate_cases", [])
+    groups: dict = {}
+    for case in gen_cases:
+        try:
+            groups.setdefault(llada_v_decode_config(case), []).append(case)
+        except PolestarError as e:
+            add(CaseResult(case.get("name", "?"), "fail", f"cannot replay: {e}"))
+    engine = _image_rows_engine(params, cfg, mesh)
+    for dcfg, cases in groups.items():
+        for i in range(0, len(cases), batch):
+            chunk = cases[i:i + batch]
+            try:
+                prompts, with_rows = lv.with_image_rows(params, [c["input_ids"] for c in chunk],
+                                                        [[image_rows(c["image"])] for c in chunk], cfg)
+                slot = prompt_slot([len(p) for p in prompts], pad_multiple)
+                replay_in = llada_v_replay(folder, chunk, dcfg, slot) if dcfg.decoder == "polestar_v" else None
+                engine.table = int(with_rows["image_rows"].shape[0])
+                res = engine.run(prompts, _reference(dcfg), prompt_slot=slot, replay=replay_in, params=with_rows)
+            except PolestarError as e:
+                for case in chunk:
+                    add(CaseResult(case.get("name", "?"), "fail", f"cannot replay: {e}"))
+                continue
+            for r, case in enumerate(chunk):
+                traj = [[tuple(c) for c in step["commits"]] for step in case.get("trajectory", [])]
+                got = _check_generation(case.get("name", "?"), res, r, len(prompts[r]), case["generated_ids"],
+                                        case["nfe"], traj, None, [b["block_nfe"] for b in case["block_stats"]],
+                                        exact_trajectory=True)
+                if dcfg.decoder == "polestar_v":
+                    want = [(p["kind"], int(p["start"])) for p in case.get("passes", [])]
+                    ours = llada_v_passes(res, r, slot - len(prompts[r]))
+                    notes = [got.detail] if got.detail else []
+                    if ours != want:
+                        f = next(j for j, (a, b) in enumerate(zip(ours + [None] * len(want), want + [None] * len(ours)))
+                                 if a != b)
+                        notes.append(f"pass {f}: ours {ours[f] if f < len(ours) else None} vs reference "
+                                     f"{want[f] if f < len(want) else None}")
+                    got = dc.replace(got, status="fail" if ours != want else got.status,
+                                     detail="; ".join(notes + [own_choice_report(res, r)]))
+                add(got)
+    return results
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -582,7 +824,7 @@ def detect_format(folder: str) -> str:
 
     need_folder(folder, "golden folder")
     if os.path.isfile(os.path.join(folder, "cases.json")):
-        return "dream" if _is_dream_folder(folder) else "llada"
+        return {"llava_llada": "llada_v", "Dream": "dream"}.get(_model_type(folder), "llada")
     if polestar_run_files(folder):
         return "polestar"
     raise PolestarError(f"{folder}: neither cases.json nor Polestar run files (*_<method>_g*_b*_s*.json)")
@@ -598,6 +840,14 @@ def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: 
 
     jax.config.update("jax_default_matmul_precision", "highest")
     kind = detect_format(folder)
+    if kind == "llada_v":
+        import tempfile
+
+        if mesh is not None:
+            raise PolestarError(f"{folder}: a LLaDA-V folder replays without --mesh (image rows are not sharded yet)")
+        with tempfile.TemporaryDirectory() as scratch:
+            cfg, params = load_model(llada_v_model_folder(folder, scratch), dtype="float32")
+        return replay_llada_v_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
     # a Polestar folder only generates: with a mesh, each process loads just its shards; the other formats'
     # logits cases run unsharded forwards on each process's first device, so they load the whole model
     cfg, params = load_model(folder, dtype="float32", shardings=mesh if kind == "polestar" else None,

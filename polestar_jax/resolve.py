@@ -84,12 +84,13 @@ def resolve(given: Mapping[str, Any], knobs: Optional[Mapping[str, Any]] = None,
     decoder = str(dec.get("decoder", DecodeConfig.decoder))
     if polestar is not None and knobs:
         raise PolestarError("give either polestar=PolestarConfig(...) or single Polestar knobs, not both")
-    if (knobs or (polestar is not None and polestar != PolestarConfig())) and decoder != "polestar":
+    if (knobs or (polestar is not None and polestar != PolestarConfig())) and decoder not in ("polestar",
+                                                                                               "polestar_v"):
         names = ", ".join(name(k) for k in knobs) or "polestar"
         verb = "applies" if len(knobs) == 1 else "apply"
-        raise PolestarError(f"{names} {verb} to decoder polestar only (decoder is {decoder})")
+        raise PolestarError(f"{names} {verb} to decoder polestar only, or polestar_v (decoder is {decoder})")
     if dec.get("cache") is None:
-        dec["cache"] = "none" if decoder == "llada" else "dual"
+        dec["cache"] = {"llada": "none", "polestar_v": "prefix"}.get(decoder, "dual")
     if decoder == "llada" or dec.get("factor") is not None:
         dec.setdefault("threshold", None)
     fixed = decoder == "llada" or ("threshold" in dec and dec["threshold"] is None and dec.get("factor") is None)

@@ -66,7 +66,7 @@ class _Later:
 def test_enum_fields_and_new_fields_render():
     """A field typed by a str-enum mode (its default a member, no ``choices``) and a new field render."""
     section = _script().class_section(_Later, {}, {})
-    assert "| `mode` | `--mode` | `'polestar'` | `llada`, `fastdllm`, `polestar` | which decoder |" in section
+    assert "| `mode` | `--mode` | `'polestar'` | `llada`, `fastdllm`, `polestar`, `polestar_v` | which decoder |" in section
     assert "`None`; command line and `polestar_jax.api`: `dual`" in section
     assert "`none`, `prefix`, `dual`" in section
     assert "| `count` | `--n` (also `--count`) | `3` |" in section

@@ -360,3 +360,82 @@ def test_golden_prefix_cache_cases(model, cases, monkeypatch, names):
                                  traj, None, [b["block_nfe"] for b in case["block_stats"]], exact_trajectory=True)
         assert r.status == "pass", r.detail
         assert all(p["kind"] in ("block_start", "decode") for p in case["passes"]) and len(case["passes"]) == case["nfe"]
+
+
+# ------------------------------------------------------------------ decoding: LLaDA-V's Polestar (polestar_v)
+@pytest.mark.parametrize("names", [("polestar/sq384/q1/g64_b16_s64", "polestar/sq384/q2/g64_b16_s64")])
+def test_golden_polestar_v_cases(model, cases, monkeypatch, names):
+    """The official LLaDA-V Polestar (one k-means over the final hidden states of the prompt and a window,
+    refreshes from the smallest selected position with a fresh cache, cosine-drift early commits) as decoder
+    ``polestar_v``, with only the reference's k-means draws injected (labels, cluster choices, pass ranges,
+    drift and every commit computed here): output ids, NFE, each block's NFE, the commits of every pass and
+    the kind and first position of every pass, exactly; two prompts (1584, 1579 rows) in one batch each give
+    the reference's batch-1 result."""
+    from engines import generate  # tests/engines.py
+
+    from polestar_jax import crosscheck as cc
+    from polestar_jax.engine import engine as engine_mod
+
+    cfg, params, _ = model
+    batch = [next(c for c in cases["generate_cases"] if c["name"] == n) for n in names]
+    rows = lv.encode_image(params, DATA / batch[0]["image"], cfg)
+    prompts, with_rows = lv.with_image_rows(params, [c["input_ids"] for c in batch], [[rows]] * len(batch), cfg)
+    table = params["wte"].shape[0] + with_rows["image_rows"].shape[0]
+
+    def check_prompts(prompts, mcfg, dcfg):  # the engine's check does not know image-row ids yet
+        assert all(0 <= i < table for p in prompts for i in p)
+
+    monkeypatch.setattr(engine_mod, "check_prompts", check_prompts)
+    dcfg = cc.llada_v_decode_config(batch[0])
+    assert dcfg.decoder == "polestar_v" and dcfg.cache == "prefix"
+    slot = -(-max(map(len, prompts)) // 16) * 16
+    replay = cc.llada_v_replay(str(DATA), batch, dcfg, slot, force=False)  # the draws only
+    with jax.default_matmul_precision("highest"):
+        res = generate(with_rows, cfg, prompts, dcfg, prompt_slot=slot, replay=replay)
+    for row, case in enumerate(batch):
+        traj = [[tuple(c) for c in step["commits"]] for step in case["trajectory"]]
+        r = cc._check_generation(case["name"], res, row, len(prompts[row]), case["generated_ids"], case["nfe"],
+                                 traj, None, [b["block_nfe"] for b in case["block_stats"]], exact_trajectory=True)
+        assert r.status == "pass", r.detail
+        assert cc.llada_v_passes(res, row, slot - len(prompts[row])) == [(p["kind"], p["start"])
+                                                                         for p in case["passes"]]
+        assert int(res.polestar["refresh_steps"][row].sum()) == sum(p["kind"] == "cluster_refresh"
+                                                                    for p in case["passes"]) > 0
+        assert res.polestar["early"][row] > 0  # early commits took part
+
+
+def test_polestar_v_configuration_is_checked():
+    from polestar_jax.config import DecodeConfig, PolestarConfig
+
+    base = dict(decoder="polestar_v", gen_length=64, block_length=16, threshold=0.9)
+    DecodeConfig(cache="prefix", polestar=PolestarConfig(top_k=2, early_threshold=None), **base)
+    for kw, word in (({"cache": "dual"}, "prefix cache"),
+                     ({"cache": "prefix", "polestar": PolestarConfig(windowed_period=0)}, "windowed_period"),
+                     ({"cache": "prefix", "polestar": PolestarConfig(early_threshold=0.95)}, "early_threshold")):
+        with pytest.raises(ConfigError) as e:
+            DecodeConfig(**base, **kw)
+        assert word in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_polestar_v_rows_decode_alone_in_any_batch(tiny_a, tiny_a_cases):
+    """Beyond the reference (batch 1): ``polestar_v`` with its own k-means draws on a text model, three
+    prompts of different lengths in one lockstep batch and in a running batch of two slots (rows inserted at
+    block boundaries, the per-row program): every row decodes the same tokens with the same forwards, and the
+    refreshes and early commits take part."""
+    from engines import engine_for
+
+    from polestar_jax.config import DecodeConfig, PolestarConfig
+
+    cfg, params = tiny_a
+    prompts = [tiny_a_cases["generate_cases"][i]["prompt_ids"] for i in (0, 39, 78)]
+    assert len({len(p) for p in prompts}) == 3
+    dcfg = DecodeConfig(decoder="polestar_v", cache="prefix", gen_length=32, block_length=8, threshold=0.7,
+                        early_exit=False, polestar=PolestarConfig(early_threshold=0.3, gate_scale=0.5))
+    eng = engine_for(params, cfg)
+    fixed = eng.generate(prompts, dcfg)
+    running = eng.generate(prompts, dcfg, batch_size=2)
+    for a, b in zip(fixed.rows, running.rows):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.block_nfe, b.block_nfe)
+    assert sum(int(r.polestar["refresh_steps"].sum()) for r in fixed.rows) > 0
+    assert sum(int(r.polestar["early"]) for r in fixed.rows) > 0

@@ -120,7 +120,8 @@ class Policy(NamedTuple):
 #: ``DecodeConfig.decoder`` -> its :class:`Policy` (:func:`register_policy` adds one; the block program
 #: looks the decoder up here).
 POLICIES: Registry[Policy] = Registry("decoder", builtins=("polestar_jax.decode.samplers",
-                                                            "polestar_jax.decode.polestar.policy"))
+                                                            "polestar_jax.decode.polestar.policy",
+                                                            "polestar_jax.decode.polestar_v.policy"))
 
 
 def register_policy(name: str, policy: Policy) -> Policy:
