@@ -7,6 +7,7 @@ tokenizer; the images are the golden folder's (40x28 and 384x384: 1261 and 1485 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import re
@@ -24,6 +25,7 @@ from polestar_jax.io import images as io_images
 from vlm import GOLDEN, make_tiny_llada_v  # tests/vlm.py
 
 SMALL, SQUARE = GOLDEN / "images" / "small40x28.png", GOLDEN / "images" / "sq384.png"
+REAL = Path(__file__).parent / "data" / "llada_v_config.json"
 GEN = dict(gen_length=16, block_length=8)
 
 
@@ -228,34 +230,61 @@ def test_convert_and_load_keep_every_tensor(folder, model, tmp_path):
     assert sorted(back) == sorted(names)
 
 
-def test_dry_run_at_llada_v_shapes_reports_image_tokens(capsys):
+def test_llada_v_at_real_shapes_plans_its_image_tokens():
     """LLaDA-V at its real shapes (tests/data/llada_v_config.json): 8.4B parameters (LLaDA-8B + the 26-layer
-    SigLIP-so400m tower + projector), image tokens per size as the golden folder counts them."""
-    cfgfile = str(Path(__file__).parent / "data" / "llada_v_config.json")
-    with open(GOLDEN / "cases.json") as f:
-        gold = {tuple(v["image_size"]): v["n_image_tokens"] for v in json.load(f)["images"].values()}
-    sizes = [f"{w}x{h}" for w, h in gold]
-    argv = ["--dry-run", "--model-config", cfgfile, "--decoder", "fastdllm", "--json"]
-    code, out, err = _generate_cli(argv + [a for s in sizes for a in ("--image-size", s)], capsys)
-    assert code == 0, err
-    doc = json.loads(out.splitlines()[-1])
+    SigLIP-so400m tower + projector); image tokens per size as the golden folder counts them; anyres_max_4
+    keeps a 37-crop image under ~3.7k tokens."""
+    import jax
+
     from polestar_jax.config import ModelConfig
+    from polestar_jax.engine.plan import plan_images
     from polestar_jax.io.checkpoint import param_shapes
 
-    cfg = ModelConfig.from_json(cfgfile)
+    cfg = ModelConfig.from_json(str(REAL))
     assert (cfg.vision.n_layers, cfg.vision.hidden_size, cfg.d_model, cfg.n_layers) == (26, 1152, 4096, 32)
-    n = sum(int(np.prod(s)) for s in __import__("jax").tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
-    assert doc["param_bytes"] == 2 * n and 8.4e9 < n < 8.5e9
-    got = {tuple(p["size"]): (p["tokens"], p["crops"]) for p in doc["images"]}
-    assert {s: t for s, (t, _) in got.items() if s in gold} == gold
-    assert got[(384, 384)][1] == 2 and got[(500, 300)][1] == 3
-    from polestar_jax.engine.plan import plan_images
+    n = sum(int(np.prod(s)) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
+    assert 8.4e9 < n < 8.5e9
+    with open(GOLDEN / "cases.json") as f:
+        gold = {tuple(v["image_size"]): v["n_image_tokens"] for v in json.load(f)["images"].values()}
+    plans = plan_images(cfg, list(gold) + [(2304, 2304), (1920, 1080)], compile_tower=False)
+    assert {p.size: p.tokens for p in plans[:len(gold)]} == gold
+    assert [(p.crops, p.grid) for p in plans] == [(2, (1, 1)), (2, (1, 1)), (3, (2, 1)), (37, (6, 6)), (16, (5, 3))]
+    assert max(p.tokens for p in plans) < 3700
 
-    big = plan_images(cfg, [(2304, 2304), (1920, 1080)], compile_tower=False)  # anyres_max_4 caps the rows
-    assert [(p.crops, p.grid) for p in big] == [(37, (6, 6)), (16, (5, 3))] and max(p.tokens for p in big) < 4 * 729 * 1.3
-    assert all(p["tower_compiled"]["temp"] > 0 for p in doc["images"])
-    assert re.search(r"prompt=\d+", out).group(0) == f"prompt={128 + max(t for t, _ in got.values())}"
-    code, out, err = _generate_cli(["--dry-run", "--image-size", "12x", "--model-config", cfgfile], capsys)
+
+def test_the_images_page_runs(folder, model, tmp_path, monkeypatch, capsys, offline_session_cache):
+    """docs/images.md's commands and Python block run as shown, on the tiny folder in place of
+    /models/llada-v (photo.png: the 40x28 golden image); the dry-run prints the golden token counts."""
+    from test_readme_examples import Example, _check_output, _run_generate, blocks, commands
+
+    exs = []  # (as tests/test_readme_examples.py reads a page; every command of this one runs)
+    for b in blocks("docs/images.md"):
+        if b.lang == "bash":
+            exs += [Example(b.page, line, argv=argv) for line, argv, _ in commands(b)]
+        elif b.lang == "python":
+            exs.append(Example(b.page, b.line, code=b.text))
+        elif b.lang == "text":
+            exs[-1].output = b.text
+    assert len(exs) == 5 and sum(ex.output is not None for ex in exs) == 2
+    (tmp_path / "photo.png").write_bytes(SMALL.read_bytes())
+    (tmp_path / "notes.txt").write_text("not a picture")
+    monkeypatch.chdir(tmp_path)
+    for ex in exs:
+        if ex.code is not None:
+            with contextlib.redirect_stdout(io.StringIO()) as buf:
+                exec(compile(ex.code.replace("/models/llada-v", str(folder)), ex.id, "exec"), {})  # noqa: S102
+            _check_output(ex, buf.getvalue(), "", 0)
+            continue
+        argv = [str(folder) if a == "/models/llada-v" else str(REAL) if a.endswith("llada_v_config.json") else a
+                for a in ex.argv[3:]]
+        code, out, err = _run_generate(argv, capsys)
+        _check_output(ex, out, err, code)
+        assert code == (2 if ex.output else 0), err
+        if "--dry-run" in argv:
+            assert "  image 384x384: grid 1x1, 2 crops, 1485 prompt tokens (tower: " in out
+            assert "  image 1024x768: grid 3x2, 7 crops, 3627 prompt tokens (tower: " in out
+            assert f"prompt={128 + 3627} " in out
+    code, out, err = _run_generate(["--dry-run", "--image-size", "12x", "--model-config", str(REAL)], capsys)
     assert code == 2 and "--image-size takes WIDTHxHEIGHT" in err
 
 
@@ -264,7 +293,8 @@ def test_dry_run_at_llada_v_shapes_reports_image_tokens(capsys):
 def vlm_server(folder, subprocess_env):
     """(base url, process) of a server over the tiny LLaDA-V folder (as tests/test_serve.py starts one)."""
     args = ["--model", str(folder), "--port", "0", "--decoder", "fastdllm", "--max-batch", "2",
-            "--max-prompt-tokens", "1792", "--max-tokens", "16", "--block-length", "8", "--quiet"]
+            "--max-prompt-tokens", "1792", "--max-tokens", "16", "--block-length", "8", "--quiet",
+            "--served-model-name", "llada-v"]
     proc = subprocess.Popen([sys.executable, "-m", "polestar_jax.serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=subprocess_env)
     try:
@@ -281,7 +311,7 @@ def vlm_server(folder, subprocess_env):
 def _chat(base: str, parts, **more):
     import httpx
 
-    body = {"model": "model", "max_tokens": 16, "messages": [{"role": "user", "content": parts}], **more}
+    body = {"model": "llada-v", "max_tokens": 16, "messages": [{"role": "user", "content": parts}], **more}
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
 
 
@@ -307,3 +337,17 @@ def test_server_answers_image_url_parts_as_the_api_does(vlm_server, model):
         assert err["message"].startswith("messages: messages[0].content[1].image_url")
     r = _chat(base, [{"type": "input_audio", "input_audio": {}}])
     assert r.status_code == 400 and "unsupported content part type" in r.json()["error"]["message"]
+
+
+def test_the_serving_pages_image_example_runs(vlm_server, model, tmp_path, monkeypatch):
+    """docs/serving.md#images: its Python example (the openai client, a data: URL) against the server."""
+    pytest.importorskip("openai")
+    from test_readme_examples import blocks  # tests/test_readme_examples.py
+
+    code = next(b.text for b in blocks("docs/serving.md") if b.lang == "python" and "image_url" in b.text)
+    (tmp_path / "photo.png").write_bytes(SMALL.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    with contextlib.redirect_stdout(io.StringIO()) as buf:
+        exec(code.replace("http://127.0.0.1:8000", vlm_server[0]), {})  # noqa: S102 - the page's own example
+    want = model.generate("What is in the picture?", images=SMALL, decoder="fastdllm", **GEN)[0].text
+    assert buf.getvalue() == want + "\n"
