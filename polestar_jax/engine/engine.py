@@ -295,8 +295,9 @@ class Engine:
             if running:
                 RunningBatch(self, dcfg, b, slot, sampling=sampling, compact_rows=compact_rows)
             else:  # a state of this shape (its values do not matter: the program is keyed by shapes)
-                state = self.initial_state([[self.config.pad_token_id]] * b, dcfg, slot, 0, list(range(b)), None)
-                self.block_program(self.params, state, self.knobs(dcfg), self.spec(dcfg))
+                prompts, params = self.with_images(self.params, [[self.config.pad_token_id]] * b, None, slot)
+                state = self.initial_state(prompts, dcfg, slot, 0, list(range(b)), None)
+                self.block_program(params, state, self.knobs(dcfg), self.spec(dcfg))
         new = self.compiles - n0
         return list(self.compile_records)[-new:] if new else []
 
@@ -309,6 +310,18 @@ class Engine:
               image_rows: Optional[Sequence[int]] = None) -> None:
         """:func:`check_prompts` for this model."""
         check_prompts(prompts, self.config, dcfg, image_rows)
+
+    def with_images(self, params, prompts: Sequence[Sequence[int]], images, slot: int):
+        """``(prompts, params)`` of a fixed batch at prompt slot ``slot``: for a model that takes images
+        (LLaDA-V, no mesh) the prompts' image ids placed in their rows' regions of an image-row table, which
+        ``params`` then carries (:func:`~polestar_jax.engine.images.batch_table`; every fixed batch of the
+        model has one, so text-only and image batches share their programs), unless ``params`` holds one
+        already; else as given."""
+        if images is not None and any(r is not None for r in images) and self.mesh is not None:
+            raise PolestarError("images are not supported on a device mesh yet")
+        if not image_table.has_vision(self.config) or self.mesh is not None or "image_rows" in params:
+            return prompts, params
+        return image_table.batch_table(params, prompts, [None] * len(prompts) if images is None else images, slot)
 
     def knobs(self, dcfg: DecodeConfig, batch: Optional[int] = None) -> Knobs:
         """``dcfg``'s traced scalars, shared (``batch`` None) or one per row ([batch])."""
@@ -345,11 +358,7 @@ class Engine:
         if not isinstance(seed, (int, np.integer)):
             raise PolestarError(f"seed must be an integer, got {seed!r}")
         gens = self.gen_lengths(gen_lengths, len(prompts), dcfg)
-        params = self.params if params is None else params
-        if images is not None and any(r is not None for r in images):
-            if self.mesh is not None:
-                raise PolestarError("images are not supported on a device mesh yet")
-            prompts, params = image_table.batch_table(params, prompts, images, slot)
+        prompts, params = self.with_images(self.params if params is None else params, prompts, images, slot)
         if self.mesh is not None and params is not self.params:
             from polestar_jax import sharding
 

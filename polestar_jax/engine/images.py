@@ -80,6 +80,8 @@ def batch_table(params: dict, prompts: Sequence[Sequence[int]], images: Sequence
                 width: int) -> tuple[list[list[int]], dict]:
     """A fixed batch's prompts placed (:func:`place`) and the parameters with its table [b * width, D]."""
     e, (d, dtype) = params["wte"].shape[0], (params["wte"].shape[1], params["wte"].dtype)
+    if all(r is None for r in images):  # text only: an empty table of the batch's shape
+        return [list(p) for p in prompts], {**params, "image_rows": jnp.zeros((len(prompts) * width, d), dtype)}
     parts = []
     for r in images:
         r = jnp.zeros((0, d), dtype) if r is None else r.astype(dtype)

@@ -62,6 +62,9 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
     # the parameter shapes of cfg's family (Dream adds the q/k/v biases)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dt), param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
+    param_bytes = tree_bytes(params)
+    if cfg.vision is not None:  # LLaDA-V: the batch's image-row table (polestar_jax.engine.images) is an input
+        params["image_rows"] = jax.ShapeDtypeStruct((batch * prompt_len, cfg.d_model), dt)
     state = init_decode_state(cfg, dcfg, [[0] * prompt_len] * batch, prompt_len, dtype=dt, abstract=True)
     kv = tree_bytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
     hs = other = transient = 0
@@ -82,7 +85,7 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
         if ma is not None:
             compiled = {k: int(getattr(ma, k + "_size_in_bytes")) for k in
                         ("argument", "output", "temp", "generated_code") if hasattr(ma, k + "_size_in_bytes")}
-    return MemoryPlan(tree_bytes(params), kv, hs, other, tree_bytes(state), compiled, secs, dt == jnp.bfloat16,
+    return MemoryPlan(param_bytes, kv, hs, other, tree_bytes(state), compiled, secs, dt == jnp.bfloat16,
                       hs_memory, transient)
 
 
