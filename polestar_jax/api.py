@@ -10,6 +10,9 @@
         print(r.text, r.nfe, r.tpf, r.stats)        # stats: Polestar's refresh steps, early / suffix commits
     print(out.tps, out.compile_seconds)
 
+    vlm = load("/models/llada-v")                  # a LLaDA-V folder: one image (a path or a PIL image) per prompt
+    out = vlm.generate(["What is in the picture?", "Say hi."], images=["cat.png", None])
+
 :func:`load` reads a model folder (HF or converted; the bundled ``tiny_tasks`` model when none is given) with
 its tokenizer, chat template and generation defaults, and turns on the persistent compilation cache and the
 executable store the command lines use (:func:`use_compile_cache`; ``POLESTAR_JAX_CACHE=off`` or
@@ -32,6 +35,7 @@ or the chat end-of-turn token, ``<|eot_id|>`` / ``<|im_end|>``) and decoded with
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
@@ -234,6 +238,45 @@ class Model:
         """The :class:`DecodeConfig` :meth:`generate` uses for these knobs (see :func:`decode_config`)."""
         return decode_config(self.defaults, polestar=polestar, family=self.config.family, **knobs)
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model reads images (a LLaDA-V folder)."""
+        from polestar_jax.engine.images import has_vision
+
+        return has_vision(self.config)
+
+    def image_prompts(self, texts: Sequence[str], images: Optional[Sequence[Any]] = None,
+                      chat: bool = True) -> tuple[list[list[int]], Optional[list]]:
+        """The prompt ids of ``texts`` and, for a model that takes images, each prompt's image rows.
+
+        ``images``: one entry per prompt: None (text only), an image (a path, a PIL image or the bytes of an
+        image file) or a list of images. A LLaDA-V prompt is its official rendering
+        (:func:`polestar_jax.io.images.image_prompt_ids`: the system message, ``<image>`` before the question
+        unless it has its own) with the images' rows in place (:mod:`polestar_jax.engine.images`); the second
+        value is then a list of rows [R, D] or None per prompt. Other models: :meth:`prompt_ids`, and None.
+        A bad image is a one-line :class:`PolestarError` naming the prompt."""
+        from polestar_jax.io import images as io_images
+
+        if images is not None and len(images) != len(texts):
+            raise PolestarError(f"images has {len(images)} entries for {len(texts)} prompts (None for a text-only one)")
+        if not self.takes_images:
+            if images is not None and any(im is not None for im in images):
+                raise PolestarError(f"{self.path}: this {self.config.family} model takes no images (LLaDA-V does)")
+            return [self.prompt_ids(t, chat) for t in texts], None
+        from polestar_jax.engine.images import prompt_with_images
+
+        ids, rows = [], []
+        for i, text in enumerate(texts):
+            given = [] if images is None or images[i] is None else (
+                list(images[i]) if isinstance(images[i], (list, tuple)) else [images[i]])
+            pil = [io_images.open_image(im, None if isinstance(im, (str, os.PathLike)) else f"image {k} of prompt {i}")
+                   for k, im in enumerate(given)]
+            p, r = prompt_with_images(self.params, self.config,
+                                      io_images.image_prompt_ids(self.tokenizer, text, len(pil), chat), pil)
+            ids.append(p)
+            rows.append(r)
+        return ids, rows
+
     def prompt_ids(self, text: str, chat: bool = True) -> list[int]:
         """Prompt ids of ``text``: the chat template's rendering of one user turn (``chat=True``, as
         ``generate`` does), or the text itself (``chat=False``, ``--no-chat``)."""
@@ -244,13 +287,15 @@ class Model:
     # ------------------------------------------------------------------------------------------- decoding
     def generate(self, prompts: Union[str, Sequence[str]], *, seed: int = 0, chat: bool = True,
                  batch_size: Optional[int] = None, polestar: Optional[PolestarConfig] = None,
-                 **knobs: Any) -> Generations:
+                 images: Optional[Sequence[Any]] = None, **knobs: Any) -> Generations:
         """Decodes ``prompts`` (a string or a list of strings) and returns their :class:`Generations`.
 
         seed:        the job seed; prompt i's randomness comes from (seed, i)
         chat:        render each prompt with the chat template (default) or encode it as it is
         batch_size:  decode in batches of this many rows (the last one padded) at one prompt slot; default:
                      all prompts in one batch
+        images:      a LLaDA-V model: one entry per prompt, None (text only), a path, a PIL image, image
+                     bytes or a list of them (see :meth:`image_prompts`); a single prompt may take one image
         knobs:       decoder settings by field name (``decoder="fastdllm"``, ``threshold=0.8``,
                      ``gen_length=64``, ``top_k=2``, ...; see :func:`decode_config`)
         """
@@ -263,8 +308,10 @@ class Model:
                 raise PolestarError(f"prompt {i} is empty" if isinstance(p, str) else
                                     f"prompt {i} is not a string ({type(p).__name__})")
         dcfg = self.decode_config(polestar=polestar, **knobs)
-        ids = [self.prompt_ids(p, chat) for p in texts]
-        return self.generate_ids(ids, dcfg, seed=seed, batch_size=batch_size, prompts=texts)
+        if single and images is not None and not isinstance(images, (list, tuple)):
+            images = [images]
+        ids, rows = self.image_prompts(texts, images, chat)
+        return self.generate_ids(ids, dcfg, seed=seed, batch_size=batch_size, prompts=texts, images=rows)
 
     def precompile(self, shapes: Sequence[tuple[int, int]], *, running: bool = False,
                    polestar: Optional[PolestarConfig] = None, **knobs: Any) -> list:
@@ -278,17 +325,18 @@ class Model:
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], dcfg: DecodeConfig, *, seed: int = 0,
                      rows: Optional[Sequence[int]] = None, batch_size: Optional[int] = None,
-                     prompt_slot: Optional[int] = None, prompts: Optional[Sequence[str]] = None) -> Generations:
+                     prompt_slot: Optional[int] = None, prompts: Optional[Sequence[str]] = None,
+                     images: Optional[Sequence[Any]] = None) -> Generations:
         """Decodes token-id prompts with ``dcfg`` as one continuous job on :attr:`engine` (a batch of
         ``batch_size`` rows, default all, kept full: a finished row's slot takes the next prompt).
         ``rows``: each prompt's row index in the job (default ``0..n-1``; its randomness comes from
         (seed, row)). ``prompt_slot``: the padded prompt length (default: the longest prompt rounded up to
-        16)."""
+        16). ``images``: per prompt, the image rows its local ids name (:meth:`image_prompts`) or None."""
         n = len(prompt_ids)
         if n == 0:
             raise PolestarError("no prompt given")
         job = self.engine.generate(prompt_ids, dcfg, seed=seed, rows=rows, batch_size=batch_size,
-                                   prompt_slot=prompt_slot)
+                                   prompt_slot=prompt_slot, images=images)
         out = [self._row(r, job.rows[i].index, prompts[i] if prompts else None) for i, r in enumerate(job.rows)]
         tokens = sum(g.non_eos_tokens for g in out)
         for g in out:

@@ -29,7 +29,7 @@ from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
 
 #: Flags that only ``--dry-run`` reads, with their defaults.
-_PLAN_FLAGS = {"model_config": None, "batch": 1, "prompt_length": 128}
+_PLAN_FLAGS = {"model_config": None, "batch": 1, "prompt_length": 128, "image_size": None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "polestar_jax/assets/tiny_tasks)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     ap.add_argument("--prompts-file", help="a UTF-8 file with one prompt per line (blank lines skipped)")
+    ap.add_argument("--image", action="append", default=None, metavar="PATH",
+                    help="LLaDA-V: an image the prompt asks about (once: every prompt asks about it; repeated: one "
+                         "per prompt, in order; 'none' for a text-only prompt)")
     ap.add_argument("--seed", type=int, default=0,
                     help="job seed: prompt i's sampling noise and k-means draws come from (seed, i) (default: 0)")
     d = ap.add_argument_group("decoding (DecodeConfig; gen/block length default to the model folder's "
@@ -57,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print parameter, cache and compiled-step memory instead of generating")
     p.add_argument("--model-config", help="config.json to plan for (default: the --model folder's)")
     p.add_argument("--batch", type=int, default=None, help="batch size to plan for (default: 1)")
-    p.add_argument("--prompt-length", type=int, default=None, help="prompt length to plan for (default: 128)")
+    p.add_argument("--prompt-length", type=int, default=None,
+                   help="prompt length to plan for (default: 128; LLaDA-V: 128 + the largest image's tokens)")
+    p.add_argument("--image-size", action="append", default=None, metavar="WxH",
+                   help="LLaDA-V: an image size to report the tokens of (repeat; default: a range of sizes)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="cast weights (default: as stored; --dry-run plans for the torch_dtype config.json "
                          "declares, else bfloat16)")
@@ -108,6 +114,23 @@ def resolve_args(args, defaults: Optional[dict] = None, family: Optional[str] = 
 def decode_config_from_args(args, defaults: Optional[dict] = None, family: Optional[str] = None) -> DecodeConfig:
     """The :class:`DecodeConfig` of the parsed arguments (see :func:`resolve_args`)."""
     return resolve_args(args, defaults, family).decode
+
+
+def read_images(args, cfg: ModelConfig, n_prompts: int) -> Optional[list]:
+    """``--image``: one RGB image per prompt (or None for ``none``), each opened and checked before any
+    weight is read; one-line errors for a model without a vision tower, a count that matches neither one nor
+    the prompts, and a bad image."""
+    if not args.image:
+        return None
+    if cfg.vision is None:
+        raise PolestarError(f"--image needs a LLaDA-V model; this one is {cfg.family}")
+    if len(args.image) not in (1, n_prompts):
+        raise PolestarError(f"--image is given {len(args.image)} times for {n_prompts} prompts (give it once, or "
+                            "once per prompt)")
+    from polestar_jax.io.images import open_image
+
+    opened = [None if p.lower() == "none" else open_image(p) for p in args.image]
+    return opened * n_prompts if len(opened) == 1 else opened
 
 
 def read_prompts(args) -> list[str]:
@@ -170,6 +193,9 @@ def dry_run(args, dcfg: DecodeConfig, cfg: ModelConfig, path: str) -> int:
             raise PolestarError(f"{flag} is not used by --dry-run (it plans for --batch x --prompt-length)")
     batch = args.batch if args.batch is not None else _PLAN_FLAGS["batch"]
     prompt_length = args.prompt_length if args.prompt_length is not None else _PLAN_FLAGS["prompt_length"]
+    images = _plan_images(args, cfg, path)
+    if images and args.prompt_length is None:  # LLaDA-V: room for the largest image's rows
+        prompt_length += max(p.tokens for p in images)
     if batch < 1 or prompt_length < 1:
         raise PolestarError("--batch and --prompt-length must be >= 1")
     if prompt_length + dcfg.gen_length > cfg.max_sequence_length:
@@ -179,11 +205,36 @@ def dry_run(args, dcfg: DecodeConfig, cfg: ModelConfig, path: str) -> int:
     mp = plan(cfg, dcfg, batch=batch, prompt_len=prompt_length, dtype=dtype)
     print(f"plan: {path} decoder={dcfg.decoder} batch={batch} prompt={prompt_length} "
           f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={dtype} ({source})")
-    for line in mp.lines():
+    for line in mp.lines() + [p.line() for p in images]:
         print("  " + line)
     if args.json:
-        cli.print_json(dataclasses.asdict(mp))
+        cli.print_json({**dataclasses.asdict(mp), "images": [dataclasses.asdict(p) for p in images]})
     return 0
+
+
+#: Image sizes ``--dry-run`` reports for a LLaDA-V model without ``--image-size``.
+PLAN_IMAGE_SIZES = ((384, 384), (640, 480), (1024, 768), (1280, 720), (1920, 1080), (2304, 2304))
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """``--image-size``'s ``"WxH"`` -> (w, h); one-line errors otherwise."""
+    w, sep, h = text.strip().lower().partition("x")
+    if not (sep and w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+        raise PolestarError(f"--image-size takes WIDTHxHEIGHT in pixels (e.g. 1024x768), got {text!r}")
+    return int(w), int(h)
+
+
+def _plan_images(args, cfg: ModelConfig, path: str) -> list:
+    """``--dry-run`` of a LLaDA-V config: the tokens (and the tower's memory) of each image size."""
+    if cfg.vision is None:
+        if args.image_size:
+            raise PolestarError(f"--image-size needs a LLaDA-V config; {path} is {cfg.family}")
+        return []
+    from polestar_jax.engine.plan import plan_images
+
+    sizes = [parse_image_size(t) for t in args.image_size] if args.image_size else list(PLAN_IMAGE_SIZES)
+    dtype = args.dtype or stored_dtype(path)[0]
+    return plan_images(cfg, sizes, dtype)
 
 
 def _check_plan_flags(args) -> None:
@@ -215,6 +266,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     shapes = None if args.precompile is None else parse_shapes(args.precompile)
     compile_only = shapes is not None and not args.prompt and not args.prompts_file
     prompts = None if args.dry_run or compile_only else read_prompts(args)
+    if args.image and (args.dry_run or compile_only):
+        raise PolestarError("--image needs a prompt to ask about it (not --dry-run or --precompile alone)")
+    images = None if prompts is None else read_images(args, cfg, len(prompts))
     enable_compile_cache()
     if args.dry_run:
         return dry_run(args, dcfg, cfg, plan_file or model_dir)
@@ -225,8 +279,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     engine = model.engine
     n0 = engine.compiles
-    out = model.generate_ids([model.prompt_ids(p, chat=not args.no_chat) for p in prompts], dcfg, seed=args.seed,
-                             batch_size=args.batch_size, prompts=prompts)
+    ids, rows = model.image_prompts(prompts, images, chat=not args.no_chat)
+    out = model.generate_ids(ids, dcfg, seed=args.seed, batch_size=args.batch_size, prompts=prompts, images=rows)
     compiled = list(engine.compile_records)[len(engine.compile_records) - (engine.compiles - n0):]
     if not sharding.is_leader():  # process 0 prints the results (every process has them)
         return 0

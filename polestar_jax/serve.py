@@ -29,6 +29,10 @@ from polestar_jax import cli
 from polestar_jax.config import BATCH_WAIT, DecodeConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
 
+#: The default prompt slot of a model that takes images (LLaDA-V: one image at anyres_max_4 is up to ~3.7k rows)
+IMAGE_PROMPT_TOKENS = 4096
+
+
 # ------------------------------------------------------------------------------------------ command line
 def build_parser() -> argparse.ArgumentParser:
     ap = cli.Parser(prog="python -m polestar_jax.serve",
@@ -62,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_config_flags(d, DecodeConfig, skip=("gen_length", "steps"))
     g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoder polestar only)")
     cli.add_config_flags(g, PolestarConfig)
+    ap.add_argument("--allow-local-images", default=None, metavar="DIR",
+                    help="LLaDA-V: image_url parts may also be file:// URLs of files under DIR (default: base64 "
+                         "data: URLs only)")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
     ap.add_argument("--quiet", action="store_true", help="no compile progress on stderr")
@@ -91,7 +98,8 @@ def _limits(args, model):
         raise PolestarError(f"{asked} decodes {dcfg.gen_length} tokens (whole blocks of {dcfg.block_length}), which "
                             f"leaves no room for a prompt in the model's max_sequence_length "
                             f"{model.config.max_sequence_length}")
-    slot = args.max_prompt_tokens if args.max_prompt_tokens is not None else min(128, room)
+    default_slot = IMAGE_PROMPT_TOKENS if model.takes_images else 128  # (LLaDA-V: an image is >= 729 rows)
+    slot = args.max_prompt_tokens if args.max_prompt_tokens is not None else min(default_slot, room)
     if slot < 1:
         raise PolestarError(f"--max-prompt-tokens must be >= 1, got {slot}")
     if slot > room:
@@ -104,7 +112,12 @@ def _limits(args, model):
         raise PolestarError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     if args.compact_rows is not None and args.compact_rows < 0:
         raise PolestarError(f"--compact-rows must be >= 0, got {args.compact_rows}")
-    return ServerLimits(slot, max_tokens, dcfg.block_length), dcfg
+    image_dir = args.allow_local_images
+    if image_dir is not None and not model.takes_images:
+        raise PolestarError("--allow-local-images needs a model that takes images (LLaDA-V)")
+    if image_dir is not None and not os.path.isdir(image_dir):
+        raise PolestarError(f"--allow-local-images: no such folder: {image_dir}")
+    return ServerLimits(slot, max_tokens, dcfg.block_length, image_dir), dcfg
 
 
 def test_bed_note(path: str) -> Optional[str]:

@@ -344,7 +344,7 @@ def test_golden_prefix_cache_cases(model, cases, monkeypatch, names):
     assert [len(p) for p in prompts] == [c["prompt_len"] for c in batch]
     table = params["wte"].shape[0] + with_rows["image_rows"].shape[0]
 
-    def check_prompts(prompts, mcfg, dcfg):  # the engine's check does not know image-row ids yet
+    def check_prompts(prompts, mcfg, dcfg, image_rows=None):  # (ids into a table the engine did not build)
         assert all(0 <= i < table for p in prompts for i in p)
 
     monkeypatch.setattr(engine_mod, "check_prompts", check_prompts)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from polestar_jax.engine import executables, snapshot
+from polestar_jax.engine import executables, images as image_table, snapshot
 from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block
 from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
 from polestar_jax.config import GPU_PLATFORMS, DecodeConfig, ModelConfig
@@ -54,8 +54,11 @@ def own_stats(state: DecodeState, decoder: str) -> Optional[dict]:
     return None if own is None or state.policy_state is None else own.stats(state.policy_state)
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: DecodeConfig) -> None:
-    """Raises :class:`PolestarError` for empty prompts, out-of-vocabulary ids or too long sequences."""
+def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: DecodeConfig,
+                  image_rows: Optional[Sequence[int]] = None) -> None:
+    """Raises :class:`PolestarError` for empty prompts, out-of-vocabulary ids or too long sequences.
+    ``image_rows``: per prompt, how many image rows its local ids ``E + j`` may name
+    (:mod:`polestar_jax.engine.images`; default none)."""
     if len(prompts) == 0:
         raise PolestarError("no prompt given")
     for r, p in enumerate(prompts):
@@ -66,7 +69,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: Dec
                 f"prompt {r} has {len(p)} tokens; with gen length {dcfg.gen_length} that exceeds the model's "
                 f"max_sequence_length {mcfg.max_sequence_length}")
         a = np.asarray(p)
-        if a.min() < 0 or a.max() >= mcfg.embedding_size:
+        if a.min() < 0 or a.max() >= mcfg.embedding_size + (image_rows[r] if image_rows else 0):
             raise PolestarError(f"prompt {r} has token ids outside [0, {mcfg.embedding_size})")
 
 
@@ -295,8 +298,9 @@ class Engine:
             if running:
                 RunningBatch(self, dcfg, b, slot, sampling=sampling, compact_rows=compact_rows)
             else:  # a state of this shape (its values do not matter: the program is keyed by shapes)
-                state = self.initial_state([[self.config.pad_token_id]] * b, dcfg, slot, 0, list(range(b)), None)
-                self.block_program(self.params, state, self.knobs(dcfg), self.spec(dcfg))
+                prompts, params = self.with_images(self.params, [[self.config.pad_token_id]] * b, None, slot)
+                state = self.initial_state(prompts, dcfg, slot, 0, list(range(b)), None)
+                self.block_program(params, state, self.knobs(dcfg), self.spec(dcfg))
         new = self.compiles - n0
         return list(self.compile_records)[-new:] if new else []
 
@@ -305,9 +309,22 @@ class Engine:
         """The prompt slot of prompts of these lengths (:func:`prompt_slot`)."""
         return prompt_slot(lengths, multiple)
 
-    def check(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig) -> None:
+    def check(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig,
+              image_rows: Optional[Sequence[int]] = None) -> None:
         """:func:`check_prompts` for this model."""
-        check_prompts(prompts, self.config, dcfg)
+        check_prompts(prompts, self.config, dcfg, image_rows)
+
+    def with_images(self, params, prompts: Sequence[Sequence[int]], images, slot: int):
+        """``(prompts, params)`` of a fixed batch at prompt slot ``slot``: for a model that takes images
+        (LLaDA-V, no mesh) the prompts' image ids placed in their rows' regions of an image-row table, which
+        ``params`` then carries (:func:`~polestar_jax.engine.images.batch_table`; every fixed batch of the
+        model has one, so text-only and image batches share their programs), unless ``params`` holds one
+        already; else as given."""
+        if images is not None and any(r is not None for r in images) and self.mesh is not None:
+            raise PolestarError("images are not supported on a device mesh yet")
+        if not image_table.has_vision(self.config) or self.mesh is not None or "image_rows" in params:
+            return prompts, params
+        return image_table.batch_table(params, prompts, [None] * len(prompts) if images is None else images, slot)
 
     def knobs(self, dcfg: DecodeConfig, batch: Optional[int] = None) -> Knobs:
         """``dcfg``'s traced scalars, shared (``batch`` None) or one per row ([batch])."""
@@ -323,7 +340,7 @@ class Engine:
     # ----------------------------------------------------------------------------------- fixed batches
     def run(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,
             rows: Optional[Sequence[int]] = None, prompt_slot: Optional[int] = None, replay=None,
-            gen_lengths: Optional[Sequence[int]] = None, params=None) -> GenerateResult:
+            gen_lengths: Optional[Sequence[int]] = None, params=None, images=None) -> GenerateResult:
         """Decodes one fixed batch: every row starts at block 0; all blocks are dispatched asynchronously (no
         host sync inside the job) and the results are read once at the end, per-step statistics included.
 
@@ -332,8 +349,10 @@ class Engine:
         replay:      (Polestar) a :class:`polestar_jax.decode.polestar.draws.Replay` of decisions from a PyTorch trace
         gen_lengths: per row, a multiple of the block length up to ``dcfg.gen_length`` (default: all)
         params:      other parameters of the same shapes (default: the engine's)
+        images:      per prompt, its image rows [R, D] (or None) named by its local ids
+                     (:mod:`polestar_jax.engine.images`; LLaDA-V)
         """
-        self.check(prompts, dcfg)
+        self.check(prompts, dcfg, image_table.image_counts(prompts, images))
         slot = prompt_slot or self.prompt_slot([len(p) for p in prompts])
         if slot < max(len(p) for p in prompts):
             raise PolestarError(f"prompt_slot {slot} is shorter than the longest prompt")
@@ -343,7 +362,7 @@ class Engine:
         if not isinstance(seed, (int, np.integer)):
             raise PolestarError(f"seed must be an integer, got {seed!r}")
         gens = self.gen_lengths(gen_lengths, len(prompts), dcfg)
-        params = self.params if params is None else params
+        prompts, params = self.with_images(self.params if params is None else params, prompts, images, slot)
         if self.mesh is not None and params is not self.params:
             from polestar_jax import sharding
 
@@ -393,14 +412,15 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,
                  rows: Optional[Sequence[int]] = None, batch_size: Optional[int] = None,
                  prompt_slot: Optional[int] = None, gen_lengths: Optional[Sequence[int]] = None,
-                 on_row: Optional[Callable[[RowOutput], None]] = None) -> "JobResult":
+                 on_row: Optional[Callable[[RowOutput], None]] = None, images=None) -> "JobResult":
         """Decodes any number of prompts as one job. When they all fit (``batch_size`` None or >= their number):
         one fixed batch in lockstep (:meth:`run`; rows stop early but start together). Else a continuous job:
         a :class:`RunningBatch` of ``batch_size`` slots that stays full: a finished row's slot takes the next
         prompt at the next block boundary. Prompt i's randomness comes from ``(seed, rows[i])`` (default ``rows[i] = i``). ``on_row`` is called
-        with each :class:`RowOutput` as it finishes. Returns a :class:`JobResult` (rows in prompt order)."""
+        with each :class:`RowOutput` as it finishes. ``images``: per prompt, its image rows or None (see
+        :meth:`run`). Returns a :class:`JobResult` (rows in prompt order)."""
         n = len(prompts)
-        self.check(prompts, dcfg)
+        self.check(prompts, dcfg, image_table.image_counts(prompts, images))
         rows = list(range(n)) if rows is None else [int(r) for r in rows]
         if len(rows) != n:
             raise PolestarError(f"rows has {len(rows)} entries for {n} prompts")
@@ -416,7 +436,8 @@ class Engine:
             b = batch_bucket(n, batch_size)
             pad = b - n
             res = self.run(list(prompts) + [prompts[0]] * pad, dcfg, seed=seed, rows=rows + [rows[0]] * pad,
-                           prompt_slot=slot, gen_lengths=gens + [gens[0]] * pad)
+                           prompt_slot=slot, gen_lengths=gens + [gens[0]] * pad,
+                           images=None if images is None else list(images) + [images[0]] * pad)
             out = [res.row(r, rows[r]) for r in range(n)]
             for r in out:
                 if on_row is not None:
@@ -435,7 +456,8 @@ class Engine:
         while queue or batch.occupied:
             while queue and batch.free_slots:
                 i = queue.popleft()
-                batch.insert(prompts[i], seed=seed, row=rows[i], tag=i, gen_length=gens[i])
+                batch.insert(prompts[i], seed=seed, row=rows[i], tag=i, gen_length=gens[i],
+                             images=None if images is None else images[i])
             if not queue:  # nobody waits: run the remaining blocks without syncing after each
                 for _ in range(batch.max_blocks_left()):
                     batch.step()
@@ -528,11 +550,14 @@ class RunningBatch:
         empty = [[engine.config.pad_token_id]] * self.size
         self.state = engine.initial_state(empty, dcfg, self.slot, 0, list(range(self.size)), None)
         self.state = self.state.replace(n_blocks=jnp.zeros_like(self.state.n_blocks))  # every slot free
+        #: LLaDA-V: each slot's image rows (:class:`~polestar_jax.engine.images.SlotTable`); else None
+        self.images = (image_table.SlotTable(engine.params, self.size, self.slot)
+                       if image_table.has_vision(engine.config) and engine.mesh is None else None)
         base = Knobs.from_config(dcfg)
         self._base_knobs = {k: float(getattr(base, k)) for k in Knobs._fields}  # (read once: host floats)
         self._knobs = {k: np.full((self.size,), v, np.float32) for k, v in self._base_knobs.items()}
         self._knobs_dev = None
-        self.fn, c1 = engine.block_program(engine.params, self.state, self.knobs, self.spec)
+        self.fn, c1 = engine.block_program(self.params, self.state, self.knobs, self.spec)
         self.insert_fn, c2 = engine.insert_program(self.state, self._fields([1], 0, 0, dcfg.gen_length), self.layout)
         self.compile_seconds = c1 + c2
         self.slots: list[Optional[_Occupant]] = [None] * self.size
@@ -540,6 +565,11 @@ class RunningBatch:
         decoder = dcfg.decoder
         self._pack = jax.jit(lambda s: snapshot.pack(s, self.slot, own_stats(s, decoder)))
         self._cols = snapshot.layout(self.state, self.slot, own_stats(self.state, decoder))
+
+    @property
+    def params(self):
+        """The parameters each block call reads: the engine's, with the slots' image rows for LLaDA-V."""
+        return self.engine.params if self.images is None else self.images.params(self.engine.params)
 
     @property
     def knobs(self) -> Knobs:
@@ -562,39 +592,46 @@ class RunningBatch:
     def insert(self, prompt: Sequence[int], seed: int = 0, row: int = 0, tag: Any = None,
                gen_length: Optional[int] = None, threshold: Optional[float] = None,
                temperature: Optional[float] = None, factor: Optional[float] = None, slot: Optional[int] = None,
-               checked: bool = False) -> int:
+               checked: bool = False, images=None) -> int:
         """Puts ``prompt`` into a free slot (``slot``, or the first free one) and returns the slot. Its
         randomness comes from ``(seed, row)``; ``gen_length`` (a multiple of the block length up to the
         batch's) defaults to the batch's; ``threshold`` / ``temperature`` / ``factor`` override the batch's
         knobs for this row (a temperature needs a batch whose decode config samples: ``temperature > 0``).
-        ``checked``: the caller has passed the prompt and gen length through :meth:`check` already."""
+        ``checked``: the caller has passed the prompt and gen length through :meth:`check` already.
+        ``images``: the prompt's image rows [R, D] named by its local ids (:mod:`polestar_jax.engine.images`)."""
         free = self.free_slots
         if not free:
             raise PolestarError("no free slot in the running batch")
         slot = free[0] if slot is None else int(slot)
         if self.slots[slot] is not None:
             raise PolestarError(f"slot {slot} is taken")
-        gen = self.check(prompt, gen_length) if not checked else (self.dcfg.gen_length if gen_length is None
-                                                                  else int(gen_length))
+        n_rows = 0 if images is None else int(images.shape[0])
+        if n_rows and self.images is None:
+            raise PolestarError("this model takes no images")
+        gen = self.check(prompt, gen_length, n_rows) if not checked else (
+            self.dcfg.gen_length if gen_length is None else int(gen_length))
         if temperature is not None and temperature > 0 and not self.spec.stochastic:
             raise PolestarError("this batch decodes greedily (temperature 0); sampling needs a batch with a "
                                 "temperature > 0")
         for name, v in (("threshold", threshold), ("temperature", temperature), ("factor", factor)):
             self._knobs[name][slot] = self._base_knobs[name] if v is None else float(v)
         self._knobs_dev = None
+        if self.images is not None:
+            prompt = self.images.insert(prompt, images, slot)
         # (a NumPy scalar: jnp.int32 would run an eager conversion per insert)
         self.state = self.insert_fn(self.state, self._fields(prompt, seed, row, gen), np.int32(slot))
         self._freed.discard(slot)  # (the insertion rewrote the whole row)
         self.slots[slot] = _Occupant(tag=tag, n_blocks=gen // self.dcfg.block_length, inserted=time.perf_counter())
         return slot
 
-    def check(self, prompt: Sequence[int], gen_length: Optional[int] = None) -> int:
+    def check(self, prompt: Sequence[int], gen_length: Optional[int] = None, image_rows: int = 0) -> int:
         """The row's gen length (``gen_length``, default the batch's), or a one-line :class:`PolestarError` for
         a prompt this batch cannot take: longer than the prompt slot, empty or with ids outside the vocabulary,
-        or a gen length that is not a positive multiple of the block length up to the batch's."""
+        or a gen length that is not a positive multiple of the block length up to the batch's. ``image_rows``:
+        the image rows its local ids may name."""
         if len(prompt) > self.slot:
             raise PolestarError(f"a prompt of {len(prompt)} tokens does not fit the prompt slot {self.slot}")
-        self.engine.check([prompt], self.dcfg)
+        self.engine.check([prompt], self.dcfg, [image_rows])
         return self.engine.gen_lengths(None if gen_length is None else [gen_length], 1, self.dcfg)[0]
 
     def step(self) -> snapshot.PendingBlock:
@@ -602,7 +639,7 @@ class RunningBatch:
         its way to the host (:class:`~polestar_jax.engine.snapshot.PendingBlock`: read it while the next block
         runs; :meth:`rows_of` turns its finished rows into outputs)."""
         self._apply_frees()
-        self.state, _ = self.fn(self.engine.params, self.state, self.knobs, None)
+        self.state, _ = self.fn(self.params, self.state, self.knobs, None)
         for o in self.slots:
             if o is not None:
                 o.blocks_dispatched += 1

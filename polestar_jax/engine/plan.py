@@ -62,6 +62,9 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
     # the parameter shapes of cfg's family (Dream adds the q/k/v biases)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dt), param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
+    param_bytes = tree_bytes(params)
+    if cfg.vision is not None:  # LLaDA-V: the batch's image-row table (polestar_jax.engine.images) is an input
+        params["image_rows"] = jax.ShapeDtypeStruct((batch * prompt_len, cfg.d_model), dt)
     state = init_decode_state(cfg, dcfg, [[0] * prompt_len] * batch, prompt_len, dtype=dt, abstract=True)
     kv = tree_bytes((state.k_cache, state.v_cache)) // batch if state.k_cache is not None else 0
     hs = other = transient = 0
@@ -82,5 +85,52 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
         if ma is not None:
             compiled = {k: int(getattr(ma, k + "_size_in_bytes")) for k in
                         ("argument", "output", "temp", "generated_code") if hasattr(ma, k + "_size_in_bytes")}
-    return MemoryPlan(tree_bytes(params), kv, hs, other, tree_bytes(state), compiled, secs, dt == jnp.bfloat16,
+    return MemoryPlan(param_bytes, kv, hs, other, tree_bytes(state), compiled, secs, dt == jnp.bfloat16,
                       hs_memory, transient)
+
+
+@dataclasses.dataclass
+class ImageSizePlan:
+    """What one image size costs a LLaDA-V prompt."""
+
+    size: tuple[int, int]  # (width, height) in pixels
+    grid: tuple[int, int]  # (columns, rows) of 384-pixel tiles (anyres)
+    crops: int  # tower inputs: the whole image + the tiles
+    tokens: int  # prompt rows the image becomes
+    tower_compiled: Optional[dict] = None  # XLA memory analysis of the tower + projector for these crops (bytes)
+
+    def line(self) -> str:
+        out = (f"image {self.size[0]}x{self.size[1]}: grid {self.grid[0]}x{self.grid[1]}, {self.crops} crops, "
+               f"{self.tokens} prompt tokens")
+        if self.tower_compiled:
+            out += " (tower: " + ", ".join(f"{k}={v / 2**30:.3f} GiB" for k, v in self.tower_compiled.items()) + ")"
+        return out
+
+
+def plan_images(cfg: ModelConfig, sizes, dtype="bfloat16", compile_tower: bool = True) -> list[ImageSizePlan]:
+    """Per image size (``(w, h)`` pixels), the anyres grid, the crops and the prompt tokens of a LLaDA-V model;
+    with ``compile_tower`` the XLA memory analysis of its tower and projector over those crops (abstract
+    arrays: no weights)."""
+    from polestar_jax.io.checkpoint import param_shapes
+    from polestar_jax.models import image as img
+    from polestar_jax.models import llada_v, vision
+
+    vc, dt = cfg.vision, jnp.dtype(dtype)
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dt), param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    image_side = {k: params[k] for k in ("vision", "projector")}
+    compiled: dict[int, Optional[dict]] = {}
+    out = []
+    for w, h in sizes:
+        best = img.select_best_resolution((w, h), vc.grid_pinpoints)
+        grid = (best[0] // vc.image_size, best[1] // vc.image_size)
+        crops = 1 + grid[0] * grid[1]
+        if compile_tower and crops not in compiled:
+            px = jax.ShapeDtypeStruct((crops, 3, vc.image_size, vc.image_size), dt)
+            exe = jax.jit(lambda p, x: vision.encode(p, x, vc)).lower(image_side, px).compile()
+            ma = exe.memory_analysis()
+            compiled[crops] = None if ma is None else {
+                k: int(getattr(ma, k + "_size_in_bytes")) for k in ("argument", "output", "temp")
+                if hasattr(ma, k + "_size_in_bytes")}
+        out.append(ImageSizePlan((w, h), grid, crops, llada_v.n_image_rows((w, h), vc), compiled.get(crops)))
+    return out

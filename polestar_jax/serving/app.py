@@ -33,6 +33,8 @@ class ServerLimits:
     max_prompt_tokens: int
     max_tokens: int
     block_length: int
+    #: LLaDA-V: the folder ``file://`` image URLs may be read from (None: data: URLs only)
+    image_dir: Optional[str] = None
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -192,7 +194,16 @@ class Api:
         from polestar_jax.serving.scheduler import Job, NotAccepting, QueueFull
 
         settings = check_fields(req, self.served, self.limits, self.scheduler.dcfg, self.default_temperature)
-        ids = prompt_ids(self.model, req)  # (its length and ids: the scheduler's check, at submit)
+        rows = None
+        if chat and getattr(self.model, "takes_images", False):  # LLaDA-V: image_url parts (serving.images)
+            from polestar_jax.serving.images import chat_prompt
+
+            try:
+                ids, rows = chat_prompt(self.model, req.messages, self.limits.image_dir)
+            except PolestarError as e:
+                raise BadRequest(f"messages: {e}", "messages") from None
+        else:
+            ids = prompt_ids(self.model, req)  # (its length and ids: the scheduler's check, at submit)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def on_event(ev):  # on the scheduler's thread
@@ -201,7 +212,7 @@ class Api:
             except RuntimeError:  # the request's loop is gone
                 pass
 
-        job = Job(prompt=ids, on_event=on_event, **settings)
+        job = Job(prompt=ids, on_event=on_event, images=rows, **settings)
         try:
             self.scheduler.submit(job)
         except QueueFull as e:

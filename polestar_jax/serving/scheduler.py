@@ -66,6 +66,8 @@ class Job:
     cancelled: bool = False
     sent: str = ""  # response text streamed so far
     slot: Optional[int] = None
+    #: LLaDA-V: the prompt's image rows [R, D] that its local ids name (:mod:`polestar_jax.engine.images`)
+    images: Any = None
 
     def cancel(self) -> None:
         """The client went away: the row leaves at the next block boundary (thread-safe: a flag)."""
@@ -186,7 +188,7 @@ class Scheduler:
         if len(job.prompt) > self.prompt_slot:
             raise PolestarError(f"the prompt has {len(job.prompt)} tokens; this server takes at most "
                                 f"{self.prompt_slot}")
-        self.batch.check(job.prompt, job.gen_length)
+        self.batch.check(job.prompt, job.gen_length, 0 if job.images is None else int(job.images.shape[0]))
 
     def submit(self, job: Job) -> None:
         """Queues ``job``; raises :class:`QueueFull` or :class:`NotAccepting`. The job is checked first
@@ -239,7 +241,7 @@ class Scheduler:
                 self.metrics("outcome", "cancelled")
                 continue
             job.slot = self.batch.insert(job.prompt, seed=job.seed, row=0, tag=job.id, gen_length=job.gen_length,
-                                         checked=True,
+                                         checked=True, images=job.images,
                                          temperature=job.temperature, threshold=job.threshold)
             self._jobs[job.slot] = job
         self.metrics("queue", len(self._queue))
