@@ -382,7 +382,7 @@ def test_golden_polestar_v_cases(model, cases, monkeypatch, names):
     prompts, with_rows = lv.with_image_rows(params, [c["input_ids"] for c in batch], [[rows]] * len(batch), cfg)
     table = params["wte"].shape[0] + with_rows["image_rows"].shape[0]
 
-    def check_prompts(prompts, mcfg, dcfg):  # the engine's check does not know image-row ids yet
+    def check_prompts(prompts, mcfg, dcfg, image_rows=None):  # the engine's check does not know image-row ids yet
         assert all(0 <= i < table for p in prompts for i in p)
 
     monkeypatch.setattr(engine_mod, "check_prompts", check_prompts)
