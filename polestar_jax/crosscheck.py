@@ -670,23 +670,6 @@ def _llada_v_logits_case(folder: str, tag: str, case: dict, params, cfg, rows) -
         return CaseResult(name, "fail", f"cannot replay: {e}")
 
 
-def _image_rows_engine(params, cfg, mesh=None):
-    """An :class:`~polestar_jax.engine.engine.Engine` whose prompts may name a batch's image rows (ids past the
-    embedding, :func:`polestar_jax.models.llada_v.with_image_rows`; set ``table`` to their number before a
-    run); everything else is the engine's."""
-    from polestar_jax.engine.engine import Engine, check_prompts
-
-    class ImageRowsEngine(Engine):
-        table = 0
-
-        def check(self, prompts, dcfg, *args, **kwargs):
-            e = self.config.embedding_size
-            check_prompts([[e - 1 if e <= i < e + self.table else int(i) for i in p] for p in prompts],
-                          self.config, dcfg)
-
-    return ImageRowsEngine(params, cfg, mesh=mesh)
-
-
 def llada_v_replay(folder: str, cases: list, dcfg, slot: int, force: bool = True):
     """The :class:`~polestar_jax.decode.polestar_v.select.VReplay` of LLaDA-V Polestar cases (one row per case):
     the k-means draws of every pass and (``force``) the final labels and the selected clusters of each case's
@@ -751,7 +734,7 @@ def replay_llada_v_folder(folder: str, params, cfg, pad_multiple: int = 16,
 
     import jax
 
-    from polestar_jax.engine.engine import prompt_slot
+    from polestar_jax.engine.engine import Engine, prompt_slot
     from polestar_jax.models import image as img
     from polestar_jax.models import llada_v as lv
     from polestar_jax.models import vision
@@ -783,17 +766,21 @@ def replay_llada_v_folder(folder: str, params, cfg, pad_multiple: int = 16,
             groups.setdefault(llada_v_decode_config(case), []).append(case)
         except PolestarError as e:
             add(CaseResult(case.get("name", "?"), "fail", f"cannot replay: {e}"))
-    engine = _image_rows_engine(params, cfg, mesh)
+    engine = Engine(params, cfg, mesh=mesh)  # each case's image rows through the engine's own image table
+
+    def local(case):  # (the case's ids with its image's rows named E + j, those rows)
+        (ids,), with_rows = lv.with_image_rows({"wte": params["wte"]}, [case["input_ids"]],
+                                               [[image_rows(case["image"])]], cfg)
+        return ids, with_rows["image_rows"]
+
     for dcfg, cases in groups.items():
         for i in range(0, len(cases), batch):
             chunk = cases[i:i + batch]
             try:
-                prompts, with_rows = lv.with_image_rows(params, [c["input_ids"] for c in chunk],
-                                                        [[image_rows(c["image"])] for c in chunk], cfg)
+                prompts, images = map(list, zip(*(local(c) for c in chunk)))
                 slot = prompt_slot([len(p) for p in prompts], pad_multiple)
                 replay_in = llada_v_replay(folder, chunk, dcfg, slot) if dcfg.decoder == "polestar_v" else None
-                engine.table = int(with_rows["image_rows"].shape[0])
-                res = engine.run(prompts, _reference(dcfg), prompt_slot=slot, replay=replay_in, params=with_rows)
+                res = engine.run(prompts, _reference(dcfg), prompt_slot=slot, replay=replay_in, images=images)
             except PolestarError as e:
                 for case in chunk:
                     add(CaseResult(case.get("name", "?"), "fail", f"cannot replay: {e}"))

@@ -31,11 +31,12 @@ def engine_for(params, cfg, mesh=None) -> Engine:
 
 
 def generate(params, cfg, prompts, dcfg, seed: int = 0, rows=None, pad_multiple: int = 16, prompt_slot=None,
-             replay=None, mesh=None, early_exit: bool = False) -> GenerateResult:
-    """One fixed batch on the shared engine (see :meth:`Engine.run`)."""
+             replay=None, mesh=None, early_exit: bool = False, images=None) -> GenerateResult:
+    """One fixed batch on the shared engine (see :meth:`Engine.run`; ``images``: per prompt, its image rows)."""
     eng = engine_for(params, cfg, mesh)
     if not early_exit:
         dcfg = dataclasses.replace(dcfg, early_exit=False)
     if prompt_slot is None and len(prompts) and all(len(p) for p in prompts):
         prompt_slot = eng.prompt_slot([len(p) for p in prompts], pad_multiple)
-    return eng.run(prompts, dcfg, seed=seed, rows=rows, prompt_slot=prompt_slot, replay=replay, params=params)
+    return eng.run(prompts, dcfg, seed=seed, rows=rows, prompt_slot=prompt_slot, replay=replay, params=params,
+                   images=images)

@@ -324,8 +324,15 @@ def test_decoding_heads_suppress_the_official_ids(model):
     assert FAMILIES["llada"].suppress_ids == () == FAMILIES["dream"].suppress_ids
 
 
+def _local_prompts(params, cases, rows, cfg):
+    """The cases' prompts as the engine takes them: each one's ids with its image's ``rows`` named ``E + j``,
+    and per prompt those rows (:mod:`polestar_jax.engine.images` places them in the batch's table)."""
+    local = [lv.with_image_rows({"wte": params["wte"]}, [c["input_ids"]], [[rows]], cfg) for c in cases]
+    return [ids for (ids,), _ in local], [t["image_rows"] for _, t in local]
+
+
 @pytest.mark.parametrize("names", [("fastdllm_prefix/sq384/q0/g64_b16_s64", "fastdllm_prefix/sq384/q1/g64_b16_s64")])
-def test_golden_prefix_cache_cases(model, cases, monkeypatch, names):
+def test_golden_prefix_cache_cases(model, cases, names):
     """The official LLaDA-V sampler without clusters (Fast-dLLM's prefix cache: a full pass per block, then
     passes of block + suffix over the cached prefix, four ids never committed, no step after a pass that
     filled the block): output ids, NFE, per-block NFE and the commits of every pass, exactly. The image
@@ -335,25 +342,18 @@ def test_golden_prefix_cache_cases(model, cases, monkeypatch, names):
 
     from polestar_jax import crosscheck as cc
     from polestar_jax.config import DecodeConfig
-    from polestar_jax.engine import engine as engine_mod
 
     cfg, params, _ = model
     batch = [next(c for c in cases["generate_cases"] if c["name"] == n) for n in names]
     rows = lv.encode_image(params, DATA / batch[0]["image"], cfg)
-    prompts, with_rows = lv.with_image_rows(params, [c["input_ids"] for c in batch], [[rows]] * len(batch), cfg)
+    prompts, images = _local_prompts(params, batch, rows, cfg)
     assert [len(p) for p in prompts] == [c["prompt_len"] for c in batch]
-    table = params["wte"].shape[0] + with_rows["image_rows"].shape[0]
-
-    def check_prompts(prompts, mcfg, dcfg, image_rows=None):  # (ids into a table the engine did not build)
-        assert all(0 <= i < table for p in prompts for i in p)
-
-    monkeypatch.setattr(engine_mod, "check_prompts", check_prompts)
     s = batch[0]["settings"]
     dcfg = DecodeConfig(decoder="fastdllm", cache="prefix", gen_length=s["gen_length"],
                         block_length=s["block_length"], steps=s["steps"], threshold=s["threshold"],
                         step_after_full_pass=False)
     with jax.default_matmul_precision("highest"):
-        res = generate(with_rows, cfg, prompts, dcfg, prompt_slot=max(map(len, prompts)))
+        res = generate(params, cfg, prompts, dcfg, prompt_slot=max(map(len, prompts)), images=images)
     for row, case in enumerate(batch):
         traj = [[tuple(c) for c in step["commits"]] for step in case["trajectory"]]
         r = cc._check_generation(case["name"], res, row, len(prompts[row]), case["generated_ids"], case["nfe"],
@@ -364,7 +364,7 @@ def test_golden_prefix_cache_cases(model, cases, monkeypatch, names):
 
 # ------------------------------------------------------------------ decoding: LLaDA-V's Polestar (polestar_v)
 @pytest.mark.parametrize("names", [("polestar/sq384/q1/g64_b16_s64", "polestar/sq384/q2/g64_b16_s64")])
-def test_golden_polestar_v_cases(model, cases, monkeypatch, names):
+def test_golden_polestar_v_cases(model, cases, names):
     """The official LLaDA-V Polestar (one k-means over the final hidden states of the prompt and a window,
     refreshes from the smallest selected position with a fresh cache, cosine-drift early commits) as decoder
     ``polestar_v``, with only the reference's k-means draws injected (labels, cluster choices, pass ranges,
@@ -374,24 +374,17 @@ def test_golden_polestar_v_cases(model, cases, monkeypatch, names):
     from engines import generate  # tests/engines.py
 
     from polestar_jax import crosscheck as cc
-    from polestar_jax.engine import engine as engine_mod
 
     cfg, params, _ = model
     batch = [next(c for c in cases["generate_cases"] if c["name"] == n) for n in names]
     rows = lv.encode_image(params, DATA / batch[0]["image"], cfg)
-    prompts, with_rows = lv.with_image_rows(params, [c["input_ids"] for c in batch], [[rows]] * len(batch), cfg)
-    table = params["wte"].shape[0] + with_rows["image_rows"].shape[0]
-
-    def check_prompts(prompts, mcfg, dcfg, image_rows=None):  # the engine's check does not know image-row ids yet
-        assert all(0 <= i < table for p in prompts for i in p)
-
-    monkeypatch.setattr(engine_mod, "check_prompts", check_prompts)
+    prompts, images = _local_prompts(params, batch, rows, cfg)
     dcfg = cc.llada_v_decode_config(batch[0])
     assert dcfg.decoder == "polestar_v" and dcfg.cache == "prefix"
     slot = -(-max(map(len, prompts)) // 16) * 16
     replay = cc.llada_v_replay(str(DATA), batch, dcfg, slot, force=False)  # the draws only
     with jax.default_matmul_precision("highest"):
-        res = generate(with_rows, cfg, prompts, dcfg, prompt_slot=slot, replay=replay)
+        res = generate(params, cfg, prompts, dcfg, prompt_slot=slot, replay=replay, images=images)
     for row, case in enumerate(batch):
         traj = [[tuple(c) for c in step["commits"]] for step in case["trajectory"]]
         r = cc._check_generation(case["name"], res, row, len(prompts[row]), case["generated_ids"], case["nfe"],

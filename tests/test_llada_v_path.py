@@ -150,6 +150,42 @@ def test_images_of_different_sizes_batched_give_each_row_its_alone_tokens(model)
     assert _tokens(swapped) != _tokens(alone[:1])
 
 
+_MESH_SCRIPT = r"""
+import json, sys
+from PIL import Image
+from polestar_jax.api import load
+folder, small, square = sys.argv[1:4]
+model = load(folder, mesh="data=2,model=4", compile_cache=False)
+ids, rows = model.image_prompts(["What is in the picture?", "Describe it.", "Say hello."],
+                                [small, Image.open(square), None])
+dcfg = model.decode_config(decoder="fastdllm", gen_length=16, block_length=8)
+fixed = model.generate_ids(ids, dcfg, images=rows)
+running = model.generate_ids(ids, dcfg, images=rows, batch_size=1,
+                             prompt_slot=model.engine.prompt_slot([len(p) for p in ids]))
+print("RESULT " + json.dumps({"ids": ids, "fixed": [[list(g.token_ids), g.nfe] for g in fixed],
+                              "running": [[list(g.token_ids), g.nfe] for g in running]}))
+"""
+
+
+def test_images_on_a_device_mesh_give_what_one_device_gives(model, folder):
+    """On 8 simulated devices (mesh data=2 x model=4; a subprocess): the image-row table is replicated like the
+    embedding, and a fixed batch and a running batch of one slot (its table written slot by slot) give
+    the tokens and forwards of one device."""
+    import os
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(folder), str(SMALL), str(SQUARE)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    ids, rows = model.image_prompts(["What is in the picture?", "Describe it.", "Say hello."],
+                                    [SMALL, Image.open(SQUARE), None])
+    assert got["ids"] == ids
+    want = [[list(g.token_ids), g.nfe] for g in model.generate_ids(ids, model.decode_config(decoder="fastdllm", **GEN),
+                                                                    images=rows)]
+    assert got["fixed"] == want and got["running"] == want
+
+
 def test_polestar_runs_on_image_rows_and_a_row_ignores_its_neighbour(model):
     """The LLaDA path's Polestar on LLaDA-V: image rows are prompt rows (clustered, refreshed); each row's
     tokens are the same whichever image its neighbour in the batch has (one program: batches [A, B] and

@@ -316,13 +316,11 @@ class Engine:
 
     def with_images(self, params, prompts: Sequence[Sequence[int]], images, slot: int):
         """``(prompts, params)`` of a fixed batch at prompt slot ``slot``: for a model that takes images
-        (LLaDA-V, no mesh) the prompts' image ids placed in their rows' regions of an image-row table, which
+        (LLaDA-V) the prompts' image ids placed in their rows' regions of an image-row table, which
         ``params`` then carries (:func:`~polestar_jax.engine.images.batch_table`; every fixed batch of the
-        model has one, so text-only and image batches share their programs), unless ``params`` holds one
-        already; else as given."""
-        if images is not None and any(r is not None for r in images) and self.mesh is not None:
-            raise PolestarError("images are not supported on a device mesh yet")
-        if not image_table.has_vision(self.config) or self.mesh is not None or "image_rows" in params:
+        model has one, so text-only and image batches share their programs; on a mesh :meth:`run` places
+        the table on every device, as the embedding), unless ``params`` holds one already; else as given."""
+        if not image_table.has_vision(self.config) or "image_rows" in params:
             return prompts, params
         return image_table.batch_table(params, prompts, [None] * len(prompts) if images is None else images, slot)
 
@@ -551,8 +549,8 @@ class RunningBatch:
         self.state = engine.initial_state(empty, dcfg, self.slot, 0, list(range(self.size)), None)
         self.state = self.state.replace(n_blocks=jnp.zeros_like(self.state.n_blocks))  # every slot free
         #: LLaDA-V: each slot's image rows (:class:`~polestar_jax.engine.images.SlotTable`); else None
-        self.images = (image_table.SlotTable(engine.params, self.size, self.slot)
-                       if image_table.has_vision(engine.config) and engine.mesh is None else None)
+        self.images = (image_table.SlotTable(engine.params, self.size, self.slot, engine.mesh)
+                       if image_table.has_vision(engine.config) else None)
         base = Knobs.from_config(dcfg)
         self._base_knobs = {k: float(getattr(base, k)) for k in Knobs._fields}  # (read once: host floats)
         self._knobs = {k: np.full((self.size,), v, np.float32) for k, v in self._base_knobs.items()}

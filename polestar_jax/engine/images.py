@@ -99,11 +99,21 @@ def _put(table: jax.Array, rows: jax.Array, start) -> jax.Array:
 
 class SlotTable:
     """The image-row table of a running batch of ``size`` slots at prompt slot ``width``: slot ``s`` owns
-    rows ``[s * width, (s + 1) * width)``; :meth:`insert` writes a new row's image rows there."""
+    rows ``[s * width, (s + 1) * width)``; :meth:`insert` writes a new row's image rows there. On a device
+    ``mesh`` the table is replicated on every device, like the embedding it extends."""
 
-    def __init__(self, params: dict, size: int, width: int):
+    def __init__(self, params: dict, size: int, width: int, mesh=None):
         self.width, self.embedding_rows = int(width), params["wte"].shape[0]
         self.table = jnp.zeros((int(size) * self.width, params["wte"].shape[1]), params["wte"].dtype)
+        self._place = lambda a: a
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from polestar_jax import sharding
+
+            replicated = NamedSharding(mesh, PartitionSpec())
+            self._place = lambda a: sharding.shard(a, replicated)
+            self.table = self._place(self.table)
 
     def params(self, params: dict) -> dict:
         """``params`` with the table (what the block program reads)."""
@@ -114,5 +124,5 @@ class SlotTable:
         if rows is not None and rows.shape[0]:
             if rows.shape[0] > self.width:
                 raise PolestarError(f"a prompt has {rows.shape[0]} image rows, more than the prompt slot {self.width}")
-            self.table = _put(self.table, rows, jnp.int32(slot * self.width))
+            self.table = _put(self.table, self._place(rows), jnp.int32(slot * self.width))
         return place(prompt, slot, self.width, self.embedding_rows)
