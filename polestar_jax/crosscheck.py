@@ -830,8 +830,6 @@ def replay(folder: str, pad_multiple: int = 16, progress=lambda r: None, batch: 
     if kind == "llada_v":
         import tempfile
 
-        if mesh is not None:
-            raise PolestarError(f"{folder}: a LLaDA-V folder replays without --mesh (image rows are not sharded yet)")
         with tempfile.TemporaryDirectory() as scratch:
             cfg, params = load_model(llada_v_model_folder(folder, scratch), dtype="float32")
         return replay_llada_v_folder(folder, params, cfg, pad_multiple, progress, batch, mesh)
