@@ -279,9 +279,14 @@ class Model:
 
     def prompt_ids(self, text: str, chat: bool = True) -> list[int]:
         """Prompt ids of ``text``: the chat template's rendering of one user turn (``chat=True``, as
-        ``generate`` does), or the text itself (``chat=False``, ``--no-chat``)."""
+        ``generate`` does: for a LLaDA-V model with its system message, as :meth:`image_prompts` renders a
+        text-only prompt), or the text itself (``chat=False``, ``--no-chat``)."""
         if not isinstance(text, str):
             raise PolestarError(f"a prompt must be a string, got {type(text).__name__}")
+        if self.takes_images:
+            from polestar_jax.io import images as io_images
+
+            return io_images.image_prompt_ids(self.tokenizer, text, 0, chat)
         return self.tokenizer.chat_prompt_ids(text) if chat else self.tokenizer.encode(text)
 
     # ------------------------------------------------------------------------------------------- decoding

@@ -636,6 +636,8 @@ def as_mode(cls: type[Mode], value: Any, what: str) -> Mode:
 Rule = Literal["fixed", "threshold", "factor"]
 
 DECODERS = Decoder.choices()
+#: The decoders that read a :class:`PolestarConfig` (the LLaDA path's Polestar and LLaDA-V's).
+POLESTAR_DECODERS = ("polestar", "polestar_v")
 CACHES = Cache.choices()
 REMASKING = Remasking.choices()
 
@@ -912,7 +914,7 @@ class DecodeConfig:
             raise ConfigError("start_commit 'first' applies to decoder 'fastdllm' with a cache (prefix or dual)")
         if not 0.0 < self.schedule_eps < 1.0:
             raise ConfigError(f"schedule_eps must be in (0, 1), got {self.schedule_eps}")
-        if self.decoder not in ("polestar", "polestar_v") and self.polestar != PolestarConfig():
+        if self.decoder not in POLESTAR_DECODERS and self.polestar != PolestarConfig():
             raise ConfigError(f"Polestar settings apply to decoder 'polestar' only, or 'polestar_v' (decoder is "
                               f"{self.decoder!r})")
         if self.decoder == "polestar":

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = ap.add_argument_group("decoding (DecodeConfig; default: the preset's, else as python -m polestar_jax.generate, "
                               "the gen length from each task's max_gen_toks)")
     cli.add_config_flags(d, DecodeConfig)
-    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoder polestar only)")
+    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoders polestar and polestar_v)")
     cli.add_config_flags(g, PolestarConfig)
     return ap
 

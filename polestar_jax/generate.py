@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = ap.add_argument_group("decoding (DecodeConfig; gen/block length default to the model folder's "
                               "generation_config.json, else 128/32; cache: none for llada, else dual)")
     cli.add_config_flags(d, DecodeConfig)
-    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoder polestar only; defaults = the reference code; "
+    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoders polestar and polestar_v; defaults = the reference code; "
                               "a Dream model starts from Dream's official values of --full-prefix-rows, "
                               "--full-suffix-rows, --proxy-score, --patch-kv, --tie-break)")
     cli.add_config_flags(g, PolestarConfig)

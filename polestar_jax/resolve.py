@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from polestar_jax.config import DecodeConfig, PolestarConfig
+from polestar_jax.config import POLESTAR_DECODERS, DecodeConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
 
 #: DecodeConfig fields a user may set by name (``polestar`` takes a whole PolestarConfig).
@@ -84,8 +84,7 @@ def resolve(given: Mapping[str, Any], knobs: Optional[Mapping[str, Any]] = None,
     decoder = str(dec.get("decoder", DecodeConfig.decoder))
     if polestar is not None and knobs:
         raise PolestarError("give either polestar=PolestarConfig(...) or single Polestar knobs, not both")
-    if (knobs or (polestar is not None and polestar != PolestarConfig())) and decoder not in ("polestar",
-                                                                                               "polestar_v"):
+    if (knobs or (polestar is not None and polestar != PolestarConfig())) and decoder not in POLESTAR_DECODERS:
         names = ", ".join(name(k) for k in knobs) or "polestar"
         verb = "applies" if len(knobs) == 1 else "apply"
         raise PolestarError(f"{names} {verb} to decoder polestar only, or polestar_v (decoder is {decoder})")

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM / Ctrl-C, seconds to finish the requests in flight (default: 30)")
     d = ap.add_argument_group("decoding defaults (DecodeConfig; per request: temperature, seed, threshold)")
     cli.add_config_flags(d, DecodeConfig, skip=("gen_length", "steps"))
-    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoder polestar only)")
+    g = ap.add_argument_group("Polestar knobs (PolestarConfig, decoders polestar and polestar_v)")
     cli.add_config_flags(g, PolestarConfig)
     ap.add_argument("--allow-local-images", default=None, metavar="DIR",
                     help="LLaDA-V: image_url parts may also be file:// URLs of files under DIR (default: base64 "

@@ -230,3 +230,21 @@ def test_generate_rejects_bad_prompts(tiny_a):
             generate(params, cfg, prompts, dcfg)
     with pytest.raises(PolestarError, match="prompt_slot"):
         generate(params, cfg, [[1] * 20], dcfg, prompt_slot=16)
+
+
+@pytest.mark.parametrize("decoder", ["fastdllm", "polestar_v"])
+def test_prefix_cache_steps_write_the_cache_in_place(tiny_a, decoder):
+    """A prefix-cache step keeps the K/V rows it writes (no pass reads them before another rewrites them), so
+    the compiled block program holds no copy of the whole cache (keeping the old cache beside the step's
+    made XLA copy both K and V at every step)."""
+    import re
+
+    cfg, params = tiny_a
+    eng = engine_for(params, cfg)
+    dcfg = DecodeConfig(decoder=decoder, cache="prefix", gen_length=32, block_length=8, threshold=0.9)
+    state = eng.initial_state([[5, 6, 7, 8]] * 2, dcfg, 16, 0, [0, 1], [32, 32])
+    fn, _ = eng.block_program(params, state, eng.knobs(dcfg), eng.spec(dcfg), None)
+    shape = r"\[" + ",".join(map(str, state.k_cache.shape)) + r"\]"
+    text = fn.as_text()
+    assert re.search(shape, text)  # the cache is in the program
+    assert not [ln for ln in text.splitlines() if " copy(" in ln and re.search(shape, ln)]

@@ -94,6 +94,14 @@ def test_image_urls(tmp_path):
     np.testing.assert_array_equal(np.asarray(io_images.image_from_url(f"file://{SMALL}", local_dir=str(GOLDEN))), want)
     with pytest.raises(PolestarError, match="outside the folder"):
         io_images.image_from_url(f"file://{SMALL}", local_dir=str(tmp_path))
+    # RFC 8089 forms: a relative path is read under DIR, file://localhost/abs, percent-escapes; no escape by ..
+    (tmp_path / "a b").mkdir()
+    (tmp_path / "a b" / "x.png").write_bytes(raw)
+    for url in ("a b/x.png", f"file://localhost{tmp_path}/a%20b/x.png", f"file://{tmp_path}/a%20b/x.png"):
+        np.testing.assert_array_equal(np.asarray(io_images.image_from_url(url, local_dir=str(tmp_path))), want)
+    for url, word in (("../" + SMALL.name, "outside the folder"), ("file://otherhost/x.png", "this machine")):
+        with pytest.raises(PolestarError, match=word):
+            io_images.image_from_url(url, local_dir=str(tmp_path / "a b"))
 
 
 def test_the_prompt_is_the_official_rendering_without_the_dropped_token(model):
@@ -208,6 +216,14 @@ def test_generate_takes_paths_pil_images_bytes_and_none(model):
         model.generate(["a", "b"], images=[SMALL])
     with pytest.raises(PolestarError, match="image 0 of prompt 0: mode I"):
         model.generate(["a"], images=[Image.new("I", (4, 4))])
+
+
+def test_prompt_ids_are_what_generate_decodes(model):
+    """``prompt_ids`` of a LLaDA-V model renders a text-only prompt as ``generate`` does (its system message
+    included), so ``generate_ids(prompt_ids(t))`` is ``generate(t)``."""
+    for chat in (True, False):
+        assert model.prompt_ids("Say hello.", chat) == model.image_prompts(["Say hello."], chat=chat)[0][0]
+    assert model.prompt_ids("Say hello.") != model.tokenizer.chat_prompt_ids("Say hello.")  # the system message
 
 
 def test_a_text_model_refuses_images():
@@ -372,6 +388,9 @@ def test_server_answers_image_url_parts_as_the_api_does(vlm_server, model):
         assert err["message"].startswith("messages: messages[0].content[1].image_url")
     r = _chat(base, [{"type": "input_audio", "input_audio": {}}])
     assert r.status_code == 400 and "unsupported content part type" in r.json()["error"]["message"]
+    # images that cannot fit the server's prompt (2 x 1261 rows > 1792) are refused before the tower runs
+    r = _chat(base, [{"type": "image_url", "image_url": {"url": url}}] * 2 + [{"type": "text", "text": "Two?"}])
+    assert r.status_code == 400 and "take 2522 prompt rows, more than this server's 1792" in r.text, r.text
 
 
 def test_the_serving_pages_image_example_runs(vlm_server, model, tmp_path, monkeypatch):

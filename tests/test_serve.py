@@ -452,3 +452,26 @@ def test_api_key_guards_the_v1_endpoints():
     assert none == 401 and wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     assert (post, get, health) == (200, 200, 200)
     assert b'polestar_requests_total{outcome="unauthorized"} 2.0' in api.metrics.render()
+
+
+@pytest.mark.parametrize("decoder", ["polestar", "polestar_v"])
+def test_both_polestar_decoders_take_their_compiled_early_threshold(decoder):
+    """``early_threshold`` is compiled into a Polestar server's executable, LLaDA-V's Polestar included: a
+    request may name that value (not another), and its ``threshold`` must stay above it (else the early
+    commits, which take confidences between the two, could never fire)."""
+    from polestar_jax.config import DecodeConfig, PolestarConfig
+    from polestar_jax.serving.app import BadRequest, ChatRequest, ServerLimits, check_fields
+
+    dcfg = DecodeConfig(decoder=decoder, cache="prefix" if decoder == "polestar_v" else "dual", gen_length=16,
+                        block_length=8, threshold=0.9, polestar=PolestarConfig(early_threshold=0.6))
+    limits = ServerLimits(max_prompt_tokens=64, max_tokens=16, block_length=8)
+
+    def check(**more):
+        req = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], **more)
+        return check_fields(req, "m", limits, dcfg, 0.0)
+
+    assert check(early_threshold=0.6, threshold=0.8)["threshold"] == 0.8
+    for more, field in (({"early_threshold": 0.5}, "early_threshold"), ({"threshold": 0.6}, "threshold")):
+        with pytest.raises(BadRequest) as e:
+            check(**more)
+        assert e.value.param == field

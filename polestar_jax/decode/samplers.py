@@ -49,13 +49,14 @@ def cached_forward(params, state: DecodeState, spec: EngineSpec, cs):
                           unroll=spec.unroll, rotated_cache=True)
         return fam.head_at(params, out.h, cfg, 0, B), state.replace(k_cache=out.kv[0], v_cache=out.kv[1])
     # prefix cache: recompute every generated position from the block start on against the cached prefix
-    # (queries are the whole static generation region; rows before the block keep their cached K/V, and
-    # the state's cache stays the start forward's).
+    # (queries are the whole static generation region; rows before the block keep their cached K/V; the
+    # rows from the block on take this step's K/V, which no pass reads before another rewrites them: keeping
+    # the start forward's cache instead would copy the whole cache at every step).
     p0 = state.x.shape[1] - spec.gen_length
     write = jnp.broadcast_to(jnp.arange(spec.gen_length) >= cs - p0, (state.x.shape[0], spec.gen_length))
     out = fam.forward(params, state.x[:, p0:], cfg, state.pos[:, p0:], state.pos, state.key_valid, cache,
                       start=p0, write=write, unroll=spec.unroll, rotated_cache=True)
-    return fam.head_at(params, out.h, cfg, cs - p0, B), state
+    return fam.head_at(params, out.h, cfg, cs - p0, B), state.replace(k_cache=out.kv[0], v_cache=out.kv[1])
 
 
 def commit(ctx: BlockCtx, state: DecodeState, logits, i, active, first_only: bool = False) -> DecodeState:

@@ -69,8 +69,9 @@ def check_prompts(prompts: Sequence[Sequence[int]], mcfg: ModelConfig, dcfg: Dec
                 f"prompt {r} has {len(p)} tokens; with gen length {dcfg.gen_length} that exceeds the model's "
                 f"max_sequence_length {mcfg.max_sequence_length}")
         a = np.asarray(p)
-        if a.min() < 0 or a.max() >= mcfg.embedding_size + (image_rows[r] if image_rows else 0):
-            raise PolestarError(f"prompt {r} has token ids outside [0, {mcfg.embedding_size})")
+        top = mcfg.embedding_size + (image_rows[r] if image_rows else 0)
+        if a.min() < 0 or a.max() >= top:
+            raise PolestarError(f"prompt {r} has token ids outside [0, {top})")
 
 
 def prompt_slot(lengths: Sequence[int], multiple: int = PAD_MULTIPLE) -> int:

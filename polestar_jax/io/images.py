@@ -25,6 +25,8 @@ import binascii
 import io
 import os
 import re
+import urllib.parse
+import urllib.request
 from typing import Any, Optional, Sequence, Union
 
 from polestar_jax.errors import PolestarError
@@ -126,11 +128,17 @@ def image_from_url(url: str, name: str = "image_url", local_dir: Optional[str] =
     if local_dir is None:
         raise PolestarError(f"{name}: only base64 data: URLs are accepted (data:image/png;base64,...); this "
                             "server fetches nothing and reads local files only with --allow-local-images DIR")
-    path = url[len("file://"):] if url.startswith("file://") else url
-    if "://" in path:
+    if url.startswith("file:"):  # RFC 8089: file:///abs, file://localhost/abs; percent-escapes decoded
+        parts = urllib.parse.urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise PolestarError(f"{name}: a file:// URL names this machine's files only (host {parts.netloc!r})")
+        path = urllib.request.url2pathname(parts.path)
+    elif "://" in url:
         raise PolestarError(f"{name}: only data: URLs and file:// paths under the allowed folder are accepted")
+    else:
+        path = url
     root = os.path.realpath(local_dir)
-    real = os.path.realpath(path)
+    real = os.path.realpath(os.path.join(root, path))  # a relative path is read under the folder
     if os.path.commonpath([root, real]) != root:
         raise PolestarError(f"{name}: {path} is outside the folder images may be read from")
     return open_image(real, name)

@@ -19,7 +19,8 @@ linear weights are stored ``[in, out]``)::
 The KV cache holds keys *before* RoPE (the PyTorch code's convention; Polestar's cluster drift reads them
 so) or, with ``rotated_cache=True`` (the Fast-dLLM caches), *after* RoPE: rotated once where the rows are
 written, so a cached step reads them as they are instead of rotating every cached key again. RoPE is
-elementwise in each key and its position, so both give the same rotated keys bit for bit.
+elementwise in each key and its position, so both give the same rotated keys (bit for bit in bfloat16; in
+float32 XLA may contract the rotation's multiply-add differently in another fusion: the last bit, D46).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from polestar_jax.config import DecodeConfig
+from polestar_jax.config import POLESTAR_DECODERS, DecodeConfig
 from polestar_jax.errors import PolestarError
 
 #: Fields OpenAI defines that this server accepts only at their neutral value (anything else: 400). Compared
@@ -115,7 +115,7 @@ def check_fields(req: Common, served_name: str, limits: "ServerLimits", dcfg: De
     if not 1 <= max_tokens <= limits.max_tokens:
         field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         raise BadRequest(f"{field} must be between 1 and {limits.max_tokens}, got {max_tokens}", field)
-    pc, polestar = dcfg.polestar, dcfg.decoder == "polestar"
+    pc, polestar = dcfg.polestar, dcfg.decoder in POLESTAR_DECODERS
     if req.early_threshold is not None and (not polestar or req.early_threshold != pc.early_threshold):
         raise BadRequest(f"early_threshold is compiled into this server's executable "
                          f"({pc.early_threshold if polestar else 'decoder ' + str(dcfg.decoder)}); start the "
@@ -198,8 +198,9 @@ class Api:
         if chat and getattr(self.model, "takes_images", False):  # LLaDA-V: image_url parts (serving.images)
             from polestar_jax.serving.images import chat_prompt
 
-            try:
-                ids, rows = chat_prompt(self.model, req.messages, self.limits.image_dir)
+            try:  # (image decoding and the tower off the event loop: other requests and streams go on)
+                ids, rows = await asyncio.to_thread(chat_prompt, self.model, req.messages, self.limits.image_dir,
+                                                    self.limits.max_prompt_tokens)
             except PolestarError as e:
                 raise BadRequest(f"messages: {e}", "messages") from None
         else:

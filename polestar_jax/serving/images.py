@@ -43,10 +43,14 @@ def message_text(content: Any, where: str, local_dir: Optional[str]) -> tuple[st
     return "".join(text), images
 
 
-def chat_prompt(model, messages: Sequence[Any], local_dir: Optional[str] = None) -> tuple[list[int], Any]:
+def chat_prompt(model, messages: Sequence[Any], local_dir: Optional[str] = None,
+                max_prompt_tokens: Optional[int] = None) -> tuple[list[int], Any]:
     """``(local ids, image rows [R, D] or None)`` of a chat conversation for a model that takes images
-    (module docstring); a one-line :class:`PolestarError` for a bad part or image."""
+    (module docstring); a one-line :class:`PolestarError` for a bad part or image, or (``max_prompt_tokens``)
+    for a prompt whose images alone would pass that many rows: counted from their sizes before any of them
+    goes through the tower."""
     from polestar_jax.engine.images import prompt_with_images
+    from polestar_jax.models.llada_v import n_image_rows
 
     rendered, images = [], []
     for i, m in enumerate(messages):
@@ -58,6 +62,11 @@ def chat_prompt(model, messages: Sequence[Any], local_dir: Optional[str] = None)
         images.extend(found)
     if not any(m["content"].strip() for m in rendered):
         raise PolestarError("the conversation is empty")
+    if max_prompt_tokens is not None and images:
+        rows = sum(n_image_rows(im.size, model.config.vision) for im in images)
+        if rows > max_prompt_tokens:
+            raise PolestarError(f"the {len(images)} image(s) take {rows} prompt rows, more than this server's "
+                                f"{max_prompt_tokens} prompt tokens")
     tok = model.tokenizer
     text = (tok.apply_chat_template(io_images.with_system(rendered)) if tok.chat_template else
             "\n".join(m["content"] for m in rendered))

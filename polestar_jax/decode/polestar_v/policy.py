@@ -83,7 +83,7 @@ def full_length_pass(ctx: BlockCtx, state: DecodeState, write_from: jax.Array, k
     write = (idx >= write_from[:, None]) & rows[:, None]
     keys = state.key_valid & (idx >= keys_from[:, None])
     out = fam.forward(ctx.params, state.x, cfg, state.pos, state.pos, keys, (state.k_cache, state.v_cache),
-                      start=0, write=write, unroll=ctx.spec.unroll)
+                      start=0, write=write, unroll=ctx.spec.unroll, rotated_cache=True)
     final = rms_norm(out.h, ctx.params["ln_f"], cfg.rms_norm_eps).astype(state.policy_state.hidden.dtype)
     hidden = jnp.where(write[..., None], final, state.policy_state.hidden)
     return Pass(hidden, fam.head_at(ctx.params, out.h, cfg, ctx.cs, ctx.block), *out.kv)
@@ -92,19 +92,20 @@ def full_length_pass(ctx: BlockCtx, state: DecodeState, write_from: jax.Array, k
 def prefix_pass(ctx: BlockCtx, state: DecodeState, rows: jax.Array) -> Pass:
     """The prefix-cache step: the generated region as queries (the block and every row after it take this
     pass's K/V, the rows before the block the cache's); stores the hidden states from the block on. The
-    state's cache is kept (its rows from the block on are never read before a pass rewrites them)."""
+    cache it returns holds this pass's rows from the block on (no pass reads them before another rewrites
+    them; keeping the old cache instead would make XLA copy the whole cache at every step)."""
     cfg, fam = ctx.cfg, family_of(ctx.cfg)
     p0 = _prompt_slot(ctx, state)
     g = jnp.arange(state.x.shape[1] - p0)
     write = jnp.broadcast_to(g >= ctx.cs - p0, (state.x.shape[0], g.shape[0]))
     out = fam.forward(ctx.params, state.x[:, p0:], cfg, state.pos[:, p0:], state.pos, state.key_valid,
-                      (state.k_cache, state.v_cache), start=p0, write=write, unroll=ctx.spec.unroll)
+                      (state.k_cache, state.v_cache), start=p0, write=write, unroll=ctx.spec.unroll,
+                      rotated_cache=True)
     old = state.policy_state.hidden
     final = rms_norm(out.h, ctx.params["ln_f"], cfg.rms_norm_eps).astype(old.dtype)
     region = jnp.where((write & rows[:, None])[..., None], final, old[:, p0:])
     hidden = lax.dynamic_update_slice_in_dim(old, region, p0, axis=1)
-    return Pass(hidden, fam.head_at(ctx.params, out.h, cfg, ctx.cs - p0, ctx.block), state.k_cache,
-                state.v_cache)
+    return Pass(hidden, fam.head_at(ctx.params, out.h, cfg, ctx.cs - p0, ctx.block), *out.kv)
 
 
 def _predict(ctx: BlockCtx, state: DecodeState, logits, masked):
