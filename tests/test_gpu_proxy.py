@@ -415,12 +415,13 @@ def test_a_batch_of_32_reads_the_kv_cache_once_per_step(tmp_path):
 def test_polestar_at_batch_32_writes_its_cache_and_store_rows_in_place(tmp_path):
     """Polestar's block program at batch 32 (2 layers at LLaDA-8B shapes), its costliest step a refresh: the
     refresh writes the block's and the packet's K/V rows and the packet's stored inputs into the stacked
-    cache and store in place, and scores the block and suffix logits without splitting them. No kernel of
-    the step copies a layer's K/V cache (a [32, 32, 512, 128] dynamic slice or whole-layer update: the
-    refresh moved each layer's cache out and back, 4 x 0.27 GB per layer, 5.0x the minimum in all)."""
+    cache and store in place, and scores the block and suffix logits without splitting them: 14.0 GB a step
+    against a 4.10 GB minimum (3.4x; the rest is attention's exact path and the activations of 32 x 128 rows).
+    No kernel of the step copies a layer's K/V cache (a [32, 32, 512, 128] dynamic slice: the refresh moved
+    each layer's cache out and back, 4 x 0.27 GB per layer, 18.5 GB a step in all, 4.5x)."""
     dump = tmp_path / "hlo"
     row = _proxy_row(tmp_path, "block_polestar_b32", "--attention", "exact", "--dump", str(dump))
-    assert row["modeled_bytes"] <= 4.2 * row["min_bytes"], row
+    assert row["modeled_bytes"] <= 3.7 * row["min_bytes"], row
     assert row["weight_copies"] == 0 and row["host_syncs_per_step"] <= 2, row
     hlo = (dump / "block_polestar_b32.hlo.txt").read_text()
     assert not layer_copies(hlo, row["step_loop"])
