@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from polestar_jax.kernels.backend import dispatch
+from polestar_jax import compat
+from polestar_jax.kernels.backend import dispatch, resolve_backend
 
 COUNT_EPS = 1e-6  # as polestar_jax.decode.polestar.cluster.COUNT_EPS
 _MAX_BLOCK_D = 1024  # triton feature chunk (power of two)
@@ -419,6 +420,20 @@ def scatter_kv_rows(cache: jax.Array, rows: jax.Array, idx: jax.Array, valid: ja
     out = scatter_rows(flat(cache), flat(rows), rep(idx), rep(valid), interpret=interpret, backend=backend,
                        flavor=flavor)
     return out.reshape(cache.shape)
+
+
+def scatter_is_reference(backend: str, dtype=None) -> bool:
+    """Whether :func:`scatter_kv_rows` with ``backend`` runs its jnp reference in the program being traced
+    (``auto`` on this process's platform where it has no scatter kernel, and not staged for several
+    platforms): a caller may then write the rows itself, in place into a larger buffer (the stacked K/V
+    cache: ``CacheSlot.scatter_rows``, the same rule), where the kernel needs the layer's cache copied out."""
+    if compat.kernels_staged():
+        return backend == "reference"
+    exclude = mosaic_rows_exclude(dtype) if dtype is not None else frozenset()
+    platform = jax.default_backend()
+    if backend == "auto" and platform in exclude:
+        return True
+    return resolve_backend(backend, platform, kernel="scatter_rows") == "reference"
 
 
 def scatter_kv_rows_reference(cache, rows, idx, valid, *, interpret=False, backend="reference", flavor="triton"):

@@ -38,21 +38,24 @@ def predict(
     temperature: jax.Array | float = 0.0,
     noise_keys: Optional[jax.Array] = None,
     random_remask: bool = False,
+    noise: Optional[jax.Array] = None,
 ) -> Prediction:
     """Predicted tokens and confidences for one forward's block rows.
 
     ``temperature`` > 0 perturbs the logits with Gumbel noise as LLaDA does
     (``argmax exp(l) / (-log u)^T`` = ``argmax l + T * g``, g ~ Gumbel(0, 1)); ``noise_keys`` [b, 2] (one
-    key per row) is then required. The confidence is the probability of ``x0`` under the un-perturbed
-    softmax. With ``random_remask`` the confidence is a uniform draw instead (LLaDA ``remasking="random"``).
+    key per row) is then required, or the noise itself, ``noise`` [b, T, V] (:func:`gumbel_noise`). The
+    confidence is the probability of ``x0`` under the un-perturbed softmax. With ``random_remask`` the
+    confidence is a uniform draw instead (LLaDA ``remasking="random"``).
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     not_mask = jnp.arange(vocab) != mask_id
     scored = logits
-    if noise_keys is not None:
-        g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(noise_keys)
-        scored = logits + jnp.asarray(temperature, jnp.float32) * g
+    if noise is None and noise_keys is not None:
+        noise = gumbel_noise(noise_keys, logits.shape[1:])
+    if noise is not None:
+        scored = logits + jnp.asarray(temperature, jnp.float32) * noise
     # docs/differences.md#d1: the mask token is never a prediction, so every commit makes progress.
     x0 = jnp.argmax(jnp.where(not_mask, scored, -jnp.inf), axis=-1).astype(jnp.int32)
     m = jnp.max(logits, axis=-1, keepdims=True)
@@ -64,6 +67,11 @@ def predict(
         conf = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), masked.shape[1:]))(noise_keys)
     conf = jnp.where(masked, conf, -jnp.inf)
     return Prediction(x0, conf)
+
+
+def gumbel_noise(keys: jax.Array, shape: tuple) -> jax.Array:
+    """Gumbel(0, 1) noise [b, *shape] float32, one key per row (``keys`` [b, 2]: :func:`noise_keys`)."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
 
 
 def noise_keys(rng: jax.Array, counter: jax.Array, salt: int = 0) -> jax.Array:

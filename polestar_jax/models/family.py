@@ -69,10 +69,14 @@ class Family:
             return jax.lax.dynamic_slice_in_dim(h, start, length, axis=1)
         return jnp.take(h, jnp.clip(start + jnp.arange(length) - self.logit_shift, 0, h.shape[1] - 1), axis=1)
 
-    def suppress(self, logits: jax.Array) -> jax.Array:
-        """``logits`` [..., V] with the family's never-committed ids (``suppress_ids``) set very low."""
+    def suppress(self, logits: jax.Array, rows: Optional[int] = None) -> jax.Array:
+        """``logits`` [..., V] with the family's never-committed ids (``suppress_ids``) set very low (``rows``:
+        on the first ``rows`` rows of ``logits`` [b, T, V] only, in place)."""
         ids = [i for i in self.suppress_ids if i < logits.shape[-1]]
-        return logits.at[..., jnp.asarray(ids, jnp.int32)].set(-1e30) if ids else logits
+        if not ids:
+            return logits
+        at = (slice(None), slice(0, rows)) if rows is not None else (Ellipsis,)
+        return logits.at[at + (jnp.asarray(ids, jnp.int32),)].set(-1e30)
 
     def head_at(self, params, h: jax.Array, cfg: ModelConfig, start, length: int) -> jax.Array:
         """Logits [b, length, V] predicting positions ``start .. start+length-1`` of a forward's input span

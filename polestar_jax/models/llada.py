@@ -273,6 +273,20 @@ class CacheSlot(NamedTuple):
 
         return self._replace(buffers=jax.tree.map(put, self.buffers, new))
 
+    def scatter_rows(self, new: Any, idx: jax.Array, valid: jax.Array, axis: int) -> "CacheSlot":
+        """The slot with ``new``'s rows (each [b, ..., C, ...], C along ``axis``) written at positions ``idx``
+        [b, C] along ``axis`` of layer ``i``'s buffers (each [b, ..., L, ...]) where ``valid``, in place
+        (invalid or out-of-range positions are dropped: ``kernels.refresh.scatter_kv_rows_reference``'s
+        rule): only the rows move, where a whole-layer copy would move the layer's cache twice."""
+
+        def put(a, u):
+            length = a.shape[axis + 1]
+            widx = jnp.where(valid & (idx >= 0), idx, length).astype(jnp.int32)
+            at = (self.i, jnp.arange(a.shape[1])[:, None]) + (slice(None),) * (axis - 1) + (widx,)
+            return a.at[at].set(jnp.moveaxis(u.astype(a.dtype), axis, 1), mode="drop")
+
+        return self._replace(buffers=jax.tree.map(put, self.buffers, new))
+
 
 class SlotWrite:
     """A :func:`layer` ``write`` into a :class:`CacheSlot` (see :func:`slice_write`); after the layer called it,

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from polestar_jax.decode.policy import BlockCtx, Policy, register_policy, write_commits
-from polestar_jax.decode.commit import Prediction, commit_threshold, noise_keys, predict
+from polestar_jax.decode.commit import Prediction, commit_threshold, gumbel_noise, noise_keys, predict
 from polestar_jax.decode.polestar.draws import at_forward, block_start_draws
 from polestar_jax.decode.polestar.drift import drift_delta, push_history
 from polestar_jax.models.family import family_of
@@ -67,6 +67,28 @@ def _predict(ctx: BlockCtx, state: DecodeState, logits, cand, salt: int = 0) -> 
         return predict(logits, cand, cfg.mask_token_id)
     return predict(logits, cand, cfg.mask_token_id, ctx.knobs.temperature,
                    noise_keys(state.rng, state.nfe, salt))
+
+
+#: the salt of each part of a step's scored rows (:func:`_score`): the suffix rows draw their own noise
+_SALTS = {"block": 0, "suffix": 2}
+
+
+def _score(ctx: BlockCtx, state: DecodeState):
+    """The step's scoring (:data:`polestar_jax.decode.polestar.step.Score`): :func:`_predict` of every row, the
+    block's and the suffix's in one pass over the logits (each part with its own noise), conf unmasked."""
+    def score(logits, parts) -> Prediction:
+        every = jnp.ones(logits.shape[:2], bool)
+        if not ctx.spec.stochastic:
+            return predict(logits, every, ctx.cfg.mask_token_id)
+        noise = jnp.concatenate([gumbel_noise(noise_keys(state.rng, state.nfe, _SALTS[name]), (n,) + logits.shape[2:])
+                                 for name, n in parts], axis=1)
+        return predict(logits, every, ctx.cfg.mask_token_id, ctx.knobs.temperature, noise=noise)
+    return score
+
+
+def _masked(pred: Prediction, cand: jax.Array) -> Prediction:
+    """``pred`` (conf on every row) with conf -inf where ``cand`` is False, as :func:`predict` masks it."""
+    return Prediction(pred.x0, jnp.where(cand, pred.conf, -jnp.inf))
 
 
 def _windowed(ctx: BlockCtx):
@@ -136,8 +158,9 @@ def _forward(ctx: BlockCtx, state: DecodeState, geo, cluster, active) -> StepFor
     if ctx.replay is not None:
         at = lambda a: jnp.swapaxes(at_forward(a, state.nfe), 0, 1)
         forced = (at(ctx.replay.topk), at(ctx.replay.topk_forced))
+    # (the logits are scored inside each layer pass: no logits leave the branch between them)
     fwd = lambda r: (lambda: step_layers(ctx.params, state, geo, ctx.cfg, pc, ctx.block, r, cluster, forced,
-                                         ctx.spec.unroll, write_rows=active))
+                                         ctx.spec.unroll, write_rows=active, score=_score(ctx, state)))
     lay = lax.cond(batch_any(cluster), fwd(True), fwd(False)) if pc.refresh else fwd(False)()
     return step_tail(ctx.params, state, ctx.cfg, pc, ctx.block, lay)  # (once, after either layer pass)
 
@@ -164,7 +187,7 @@ def _suffix(ctx: BlockCtx, state: DecodeState, new: DecodeState, out: StepForwar
     cand = (out.sel_suf & (rows_at(new.x, suf_pos) == ctx.cfg.mask_token_id) & geo.ref_valid[:, -suf:]
             & (suf_pos < state.x.shape[1])[None] & rows_at(new.key_valid, suf_pos)
             & (cluster & active)[:, None])
-    sp = _predict(ctx, state, out.logits_suf, cand, salt=2)
+    sp = _masked(out.pred_suf, cand)
     commit = cand & (sp.conf >= ctx.knobs.threshold)
     return write_commits(new, commit, sp.x0, positions=suf_pos[None]), commit
 
@@ -189,7 +212,7 @@ def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, Ste
     delta = drift_delta(out.drift, pol.hist, pol.hist_fill)
     hist, fill = push_history(pol.hist, pol.hist_fill, out.drift)
     masked = ctx.masked(state)
-    pred = _predict(ctx, state, out.logits, masked)
+    pred = _masked(out.pred, masked)
     thr = commit_threshold(pred.conf, masked, ctx.knobs.threshold, _tie_order(ctx)) & active[:, None]
     early = _early(ctx, pred.conf, masked, delta, active)
     new = write_commits(state, thr | early, pred.x0, start=ctx.cs)

@@ -18,22 +18,22 @@ Every weight matrix is read once per layer; only the rows of stages 1 and 2 move
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax.decode.commit import rank_desc
+from polestar_jax.decode.commit import Prediction, rank_desc
 from polestar_jax.decode.polestar.compaction import (by_width, chosen_width, compact, complement_widths, spread_rows, store_widths,
                                                      take_rows, widths)
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.decode.polestar.drift import proxy_inputs
 from polestar_jax.models.family import Family, family_of
 from polestar_jax.kernels.kl_drift import kl_drift
-from polestar_jax.kernels.refresh import centroid_shift, scatter_kv_rows
+from polestar_jax.kernels.refresh import centroid_shift, scatter_is_reference, scatter_kv_rows
 from polestar_jax.models.llada import CacheSlot, Keys, Rope, layer_scan, slice_write
-from polestar_jax.decode.polestar.offload import fetch_rows, uses_host, write_rows
+from polestar_jax.decode.polestar.offload import encode, fetch_rows, uses_host, write_rows
 from polestar_jax.decode.polestar.state import Geometry, rows_at
 from polestar_jax.decode.state import DecodeState
 
@@ -83,14 +83,16 @@ class StepForwardOut(NamedTuple):
     s_prev: jax.Array
     p_blk: jax.Array  # [b, H, B, L]
     drift: jax.Array  # [b, B]
-    logits: jax.Array  # [b, B, V]
-    logits_suf: jax.Array  # [b, Ws, V]
+    logits: Optional[jax.Array]  # [b, B, V] (None with a ``score``: then ``pred``)
+    logits_suf: Optional[jax.Array]  # [b, Ws, V] (None with a ``score``: then ``pred_suf``)
     sel_suf: jax.Array  # [b, Ws] bool rows of the last layer's packet in the suffix window
     scores: jax.Array  # [N, b, K]
     selected: jax.Array  # [N, b, K]
     own: jax.Array  # [N, b, K]
     n_rows: jax.Array  # [N, b]
     moved_rows: jax.Array  # [N, b] store rows read (stage widths 1 + 2: R with a device store; 0 without refresh)
+    pred: Optional[Prediction] = None  # [b, B] the block rows scored (with a ``score``; conf on every row)
+    pred_suf: Optional[Prediction] = None  # [b, Ws] the suffix rows scored (x0 0 and conf -inf without refresh)
 
 
 class StepCtx(NamedTuple):
@@ -129,11 +131,9 @@ class Carry(NamedTuple):
 
 
 class LayerIn(NamedTuple):
-    """The layer-scan inputs (leading axis: layers)."""
+    """The layer-scan inputs (leading axis: layers; the K/V cache rides in the scan's carry)."""
 
     lp: dict
-    k_cache: jax.Array  # [b, KV, L, hd]
-    v_cache: jax.Array
     store: tuple  # (hs [b, R, D], hs_scale [b, R]) on refresh steps, () otherwise
     labels: jax.Array  # [b, R]
     centroids: jax.Array  # [b, K, D]
@@ -185,53 +185,82 @@ def plain_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, slot: CacheSlot) -> tup
 class Packet(NamedTuple):
     """Stage 1's results."""
 
-    store: tuple  # the store with the packet rows rewritten
+    store: tuple  # the layer's store with the packet rows rewritten
     got: jax.Array  # [b, R, D] stored inputs read (on the rows stage 1 moved)
     have: jax.Array  # [b, R] rows stage 1 moved
     centroids: jax.Array  # [b, K, D] shifted centroids
-    k: jax.Array  # [b, KV, L, hd] cache with the block's and the packet's K/V
+    k: jax.Array  # [b, KV, L, hd] the layer's cache with the block's and the packet's K/V
     v: jax.Array
+    slot: CacheSlot  # the stacked cache with them written
+    store_slot: Optional[CacheSlot]  # the stacked store with the packet rows rewritten (in place), or None
     n_read: jax.Array  # [] width of the store read
 
 
-def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> Packet:
+def store_in_place(pc: PolestarConfig, dtype) -> bool:
+    """Whether a refresh step writes the hidden-state store's rows into the stacked store in place (a store
+    in device memory whose row scatter is XLA's: :func:`~polestar_jax.kernels.refresh.scatter_is_reference`),
+    rather than through the layer scan's inputs and outputs (a store in host memory, a scatter kernel)."""
+    return not uses_host(pc) and scatter_is_reference(pc.kernels, dtype)
+
+
+def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
+                 store_slot: Optional[CacheSlot] = None) -> Packet:
     """Stage 1: the packet rows' stored inputs are read (old values: the centroid shift) and replaced by the
-    new ones where clustered here, and their K/V join the block's in the cache (docs/differences.md#d21). Only the
-    store traffic is compacted: the K/V projection and the shift run over all R rows, masked, so each width
-    branch is small."""
+    new ones where clustered here, and their K/V join the block's in the cache ``slot`` (written in place
+    where the row scatter is XLA's: :func:`~polestar_jax.kernels.refresh.scatter_is_reference`;
+    docs/differences.md#d21). Only the store traffic is compacted: the K/V projection and the shift run over
+    all R rows, masked, so each width branch is small. ``store_slot`` (:func:`store_in_place`): the stacked
+    store, whose packet rows are written in place after the width branches (the rows written do not depend
+    on the width: every packet row clustered here); None: ``xs.store``, the layer's, rewritten."""
     patch = carry.pk_valid & (xs.labels >= 0)
     r_rows, pc = ctx.rows, ctx.pc
+    direct = store_slot is not None
+    layer_store = store_slot.layer() if direct else xs.store
 
     def stage(w):
         def run():
             if w == 0:
-                return xs.store, jnp.zeros_like(carry.pk_h), jnp.zeros_like(carry.pk_valid)
+                return () if direct else layer_store, jnp.zeros_like(carry.pk_h), jnp.zeros_like(carry.pk_valid)
             if w == r_rows:  # every row, in place: nothing to compact
                 every = jnp.ones_like(carry.pk_valid)
                 idx = jnp.broadcast_to(jnp.arange(r_rows, dtype=jnp.int32), every.shape)
-                got = fetch_rows(xs.store[0], xs.store[1], idx, every, pc, dt)
-                return write_rows(xs.store[0], xs.store[1], idx, patch, carry.pk_h, pc), got, every
+                got = fetch_rows(layer_store[0], layer_store[1], idx, every, pc, dt)
+                if direct:
+                    return (), got, every
+                return write_rows(layer_store[0], layer_store[1], idx, patch, carry.pk_h, pc), got, every
             idx, val = compact(carry.pk_valid, w)
             ones = jnp.ones_like(val)
             # the w rows move whole (padding rows too: they are distinct real rows), and stage 2 reuses them
-            got = fetch_rows(xs.store[0], xs.store[1], idx, ones, pc, dt)
-            new_store = write_rows(xs.store[0], xs.store[1], idx, take_rows(patch, idx) & val,
-                                   take_rows(carry.pk_h, idx), pc)
+            got = fetch_rows(layer_store[0], layer_store[1], idx, ones, pc, dt)
+            new_store = () if direct else write_rows(layer_store[0], layer_store[1], idx,
+                                                     take_rows(patch, idx) & val, take_rows(carry.pk_h, idx), pc)
             return new_store, spread_rows(got, idx, ones, r_rows), spread_rows(ones, idx, ones, r_rows)
         return run
 
     n_pk = jnp.sum(carry.pk_valid, axis=1)
     store, got, have = by_width(n_pk, ctx.store_widths, stage)
+    if direct:  # the packet rows clustered here, encoded, into the stacked store in place
+        every = jnp.broadcast_to(jnp.arange(r_rows, dtype=jnp.int32), patch.shape)
+        store_slot = store_slot.scatter_rows(encode(carry.pk_h, pc), every, patch, axis=1)
+        store = store_slot.layer()
     # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
     old = jnp.where(patch[..., None], got, jnp.zeros((), dt))
     cent = centroid_shift(xs.centroids, xs.labels, xs.counts, patch, old, carry.pk_h, backend=pc.kernels)
     k, v = ctx.fam.project_kv(xs.lp, jnp.concatenate([carry.h_blk, carry.pk_h], axis=1), ctx.cfg)
-    kk, vv = _write_block(ctx, (xs.k_cache, xs.v_cache))(k[:, :, :ctx.block], v[:, :, :ctx.block])
+    write = _write_block(ctx, slot)  # (the block rows, in place)
+    write(k[:, :, :ctx.block], v[:, :, :ctx.block])
     # K/V of every packet row (LLaDA), or only of those clustered here, as the store patch (Dream)
     wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
-    kk = scatter_kv_rows(kk, k[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
-    vv = scatter_kv_rows(vv, v[:, :, ctx.block:], ctx.ref_idx, wvalid, backend=pc.kernels)
-    return Packet(store, got, have, cent, kk, vv, chosen_width(n_pk, ctx.store_widths))
+    pk_k, pk_v = k[:, :, ctx.block:], v[:, :, ctx.block:]
+    if scatter_is_reference(pc.kernels, k.dtype):  # the rows written into the stacked cache in place
+        slot = write.slot.scatter_rows((pk_k, pk_v), ctx.ref_idx, wvalid, axis=2)
+        kk, vv = slot.layer()
+    else:  # a row-scatter kernel writes into the layer's cache (copied out, written back whole)
+        kk, vv = write.slot.layer()
+        kk = scatter_kv_rows(kk, pk_k, ctx.ref_idx, wvalid, backend=pc.kernels)
+        vv = scatter_kv_rows(vv, pk_v, ctx.ref_idx, wvalid, backend=pc.kernels)
+        slot = write.slot.put_layer((kk, vv))
+    return Packet(store, got, have, cent, kk, vv, slot, store_slot, chosen_width(n_pk, ctx.store_widths))
 
 
 class Selection(NamedTuple):
@@ -267,7 +296,8 @@ def fetch_selected(ctx: StepCtx, carry: Carry, xs: LayerIn, pk: Packet, sel: Sel
             if w == 0:
                 return jnp.zeros_like(carry.pk_h)
             idx, val = compact(need, w)
-            rows = fetch_rows(xs.store[0], xs.store[1], idx, val, ctx.pc, dt)
+            # (the store as stage 1 left it: the rows read here are not packet rows, which it rewrote)
+            rows = fetch_rows(pk.store[0], pk.store[1], idx, val, ctx.pc, dt)
             return spread_rows(rows, idx, val, ctx.rows)
         return run
 
@@ -297,9 +327,12 @@ def refresh_rows(ctx: StepCtx, xs: LayerIn, h_blk, inputs, sel_rows, keys: Keys)
     return by_width(jnp.sum(sel_rows, axis=1), ctx.widths[1:], stage)
 
 
-def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> tuple[Carry, tuple]:
-    """A layer of a refresh step: stages 1-3 (see the module docstring)."""
-    pk = patch_packet(ctx, carry, xs, dt)
+def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
+                  store_slot: Optional[CacheSlot] = None) -> tuple[Carry, tuple]:
+    """A layer of a refresh step: stages 1-3 (see the module docstring); the K/V writes go into ``slot``
+    (the returned outputs' ``k`` is the updated slot, ``v`` the updated ``store_slot`` (see
+    :func:`patch_packet`; its ``store`` then empty)."""
+    pk = patch_packet(ctx, carry, xs, dt, slot, store_slot)
     sel = select_clusters(ctx, xs, pk)
     s_prev = jnp.where(ctx.cluster_rows[:, None, None, None], sel.s_new, xs.s_prev)
     inputs, n_fetch = fetch_selected(ctx, carry, xs, pk, sel, dt)
@@ -308,7 +341,8 @@ def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt) -> tuple[Carry, t
     stats = LayerStats(sel.scores, sel.chosen, sel.own & ctx.cluster_rows[:, None],
                        jnp.sum(sel.rows, axis=1).astype(jnp.int32), pk.n_read, n_fetch)
     return (Carry(out_blk, pk_out, sel.rows, q_blk, keys.k_rot),
-            (LayerOutputs(pk.k, pk.v, pk.store, pk.centroids, s_prev), stats))
+            (LayerOutputs(pk.slot, pk.store_slot, () if store_slot is not None else pk.store, pk.centroids,
+                          s_prev), stats))
 
 
 def step_ctx(state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
@@ -333,12 +367,32 @@ class StepLayers(NamedTuple):
     out: StepForwardOut
 
 
+#: ``score(logits [b, T, V], parts) -> Prediction`` [b, T]: the commit rule's scoring of a step's logits, whose
+#: rows are ``parts`` (``("block", B)``, then ``("suffix", Ws)`` on a refresh step), conf on every row
+Score = Callable[[jax.Array, tuple], Prediction]
+
+
+def _scored(fam: Family, logits: jax.Array, block: int, suf: int, score: Score) -> tuple[Prediction, Prediction]:
+    """The block rows' and the suffix rows' predictions from one scoring of ``logits`` [b, B (+ Ws), V] (the
+    block rows' ids suppressed); without suffix rows the suffix's are x0 0, conf -inf."""
+    parts = (("block", block),) + ((("suffix", suf),) if logits.shape[1] > block else ())
+    p = score(fam.suppress(logits, rows=block), parts)
+    if logits.shape[1] > block:
+        return Prediction(p.x0[:, :block], p.conf[:, :block]), Prediction(p.x0[:, block:], p.conf[:, block:])
+    b = logits.shape[0]
+    return p, Prediction(jnp.zeros((b, suf), jnp.int32), jnp.full((b, suf), -jnp.inf, jnp.float32))
+
+
 def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
                 refresh: bool, cluster_rows: jax.Array, forced: Optional[tuple[jax.Array, jax.Array]],
-                unroll: int | bool = 1, write_rows: Optional[jax.Array] = None) -> StepLayers:
+                unroll: int | bool = 1, write_rows: Optional[jax.Array] = None,
+                score: Optional[Score] = None) -> StepLayers:
     """The layer pass of a decode step: the block against the cache; with ``refresh`` the sparse refresh of
     the rows of the top-drift clusters runs in the same pass (for rows with ``cluster_rows`` [b]).
-    ``write_rows`` [b] (default: every row): the rows whose block K/V the step writes into the cache."""
+    ``write_rows`` [b] (default: every row): the rows whose block K/V the step writes into the cache.
+    ``score`` (:data:`Score`): the outputs hold the logits' predictions (``pred``, ``pred_suf``) instead of
+    the logits, scored once for the block and the suffix rows together (a block program's step: a branch
+    between the refresh and the plain pass then returns no logits, split or zero-filled, at all)."""
     pol, b, n_layers = state.policy_state, state.x.shape[0], cfg.n_layers
     pre, suf = pc.prefix_rows(block), pc.suffix_rows(block)
     ctx = step_ctx(state, geo, cfg, pc, block, cluster_rows, write_rows)
@@ -349,31 +403,43 @@ def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc:
                    jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), dt), jnp.zeros_like(state.k_cache[0]))
     if forced is None:
         forced = (jnp.zeros((n_layers, b, pc.n_clusters), bool), jnp.zeros((n_layers, b), bool))
-    # the store enters the layer scan only when it is read (a step without refresh leaves it where it is)
-    store = (pol.hs, pol.hs_scale) if refresh else ()
-    xs = LayerIn(params["blocks"], state.k_cache, state.v_cache, store, pol.labels, pol.centroids, pol.counts,
+    # the store enters the layer scan only when it is read (a step without refresh leaves it where it is): in
+    # the scan's carry beside the K/V cache when its rows are written in place, else as the scan's inputs
+    direct = refresh and store_in_place(pc, pol.hs.dtype)
+    store = (pol.hs, pol.hs_scale) if refresh and not direct else ()
+    xs = LayerIn(params["blocks"], store, pol.labels, pol.centroids, pol.counts,
                  pol.n_clusters, pol.s_prev, forced[0], forced[1], jnp.arange(n_layers))
-    def body(c, x, slot):  # the K/V cache rides in the scan's carry (model.layer_scan)
-        if not refresh:  # the block rows' K/V written in place
-            c, (outs, stats) = plain_layer(ctx, c, x, slot)
-            return c, (outs._replace(k=None, v=None), stats), outs.k
-        kv = slot.layer()  # (a refresh also patches packet rows: the layer's K/V are replaced whole)
-        c, (outs, stats) = refresh_layer(ctx, c, x._replace(k_cache=kv[0], v_cache=kv[1]), dt)
-        return c, (outs._replace(k=None, v=None), stats), (outs.k, outs.v)
+    def body(c, x, slot):  # the K/V cache (and the store) ride in the scan's carry (model.layer_scan)
+        # the block rows' K/V (and a refresh's packet rows') written into the slot
+        kv, st = CacheSlot(slot.buffers[0], slot.i), CacheSlot(slot.buffers[1], slot.i) if direct else None
+        c, (outs, stats) = refresh_layer(ctx, c, x, dt, kv, st) if refresh else plain_layer(ctx, c, x, kv)
+        return c, (outs._replace(k=None, v=None), stats), \
+            CacheSlot((outs.k.buffers, outs.v.buffers if direct else ()), slot.i)
 
-    carry, (outs, stats), (k_new, v_new) = layer_scan(body, carry0, xs._replace(k_cache=None, v_cache=None),
-                                                      (state.k_cache, state.v_cache), unroll=unroll)
-    hs, hs_scale = outs.store if refresh else (pol.hs, pol.hs_scale)
+    bufs = ((state.k_cache, state.v_cache), (pol.hs, pol.hs_scale) if direct else ())
+    carry, (outs, stats), ((k_new, v_new), new_store) = layer_scan(body, carry0, xs, bufs, unroll=unroll)
+    hs, hs_scale = new_store if direct else outs.store if refresh else (pol.hs, pol.hs_scale)
+    pred = pred_suf = None
     if refresh and suf:  # the refreshed suffix rows predict their own positions: one LM-head GEMM with the block's
         both = fam.lm_head(params, jnp.concatenate([fam.head_rows(carry.h_blk, 0, block), carry.pk_h[:, pre:]], 1), cfg)
-        logits, logits_suf, sel_suf = fam.suppress(both[:, :block]), both[:, block:], carry.pk_valid[:, pre:]
+        sel_suf = carry.pk_valid[:, pre:]
+        if score is None:
+            logits, logits_suf = fam.suppress(both[:, :block]), both[:, block:]
+        else:
+            logits = logits_suf = None
+            pred, pred_suf = _scored(fam, both, block, suf, score)
     else:
-        logits = fam.head_at(params, carry.h_blk, cfg, 0, block)
-        logits_suf = jnp.zeros(logits.shape[:1] + (suf,) + logits.shape[2:], jnp.float32)
         sel_suf = jnp.zeros((b, suf), bool)
+        if score is None:
+            logits = fam.head_at(params, carry.h_blk, cfg, 0, block)
+            logits_suf = jnp.zeros(logits.shape[:1] + (suf,) + logits.shape[2:], jnp.float32)
+        else:
+            logits = logits_suf = None
+            pred, pred_suf = _scored(fam, fam.lm_head(params, fam.head_rows(carry.h_blk, 0, block), cfg), block, suf,
+                                     score)
     moved = jnp.where(cluster_rows[None, :], (stats.n_read + stats.n_fetch)[:, None], 0).astype(jnp.int32)
     out = StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, outs.s_prev, None, None, logits, logits_suf,
-                         sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved)
+                         sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved, pred, pred_suf)
     return StepLayers(carry.h_blk, carry.q_blk, carry.k_rot, out)
 
 
