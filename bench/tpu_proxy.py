@@ -27,11 +27,18 @@ On a mesh of several chips each Mosaic kernel runs per shard (XLA cannot partiti
 the engine lowers its programs under the mesh and :mod:`kernels.backend` wraps each kernel call in a
 ``shard_map``, the rows split over ``data``, replicated over ``model``).
 
+``--weights int8`` builds the parameters with int8 matmul weights and a bf16 scale per output channel
+(:mod:`polestar_jax.models.quant`; LLaDA-8B's 14.9 GiB of weights become 7.5 GiB); every row says its
+``weights``. ``--fit-batch``: a batched program left out for want of HBM gets ``largest_fitting_batch``, the
+largest batch below its own that compiles and fits (predicted from XLA's bytes, compiled, and the batch above
+it shown not to fit; :func:`fit_batch`).
+
 ``--resume`` keeps the rows of an earlier ``--json FILE`` and compiles only the (program, target) pairs it
-lacks (a long matrix on a busy machine, in several runs; the meta file keeps every run's provenance).
+lacks (keyed by program, target and weights; a long matrix on a busy machine, in several runs; the meta
+file keeps every run's provenance).
 
 Columns (``--json FILE``: a list of rows; the run's date, command, versions and load beside it, FILE's
-name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``kernels``, ``compile_seconds``,
+name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``weights``, ``kernels``, ``compile_seconds``,
 ``per_device_bytes`` (XLA's memory analysis of the compiled program: arguments + outputs - aliased +
 temporaries, per chip), ``hbm_bytes`` (one chip's HBM), ``fits``, ``mosaic_kernels`` (the
 ``tpu_custom_call``\\ s of the optimized HLO). A program XLA refuses for want of HBM
@@ -247,8 +254,7 @@ def fit_batch(engine, name: str, target: Target, mesh, row: dict, weights: str, 
     def probe(b: int) -> dict:
         if b not in probes:
             log(f"  fit search: batch {b} ...")
-            probes[b] = compile_row(engine, name, target, mesh, row["kernels"] if row["kernels"] != "none"
-                                    else "auto", weights, batch=b)
+            probes[b] = compile_row(engine, name, target, mesh, weights=weights, batch=b)
             engine.clear()
         return probes[b]
 
