@@ -27,11 +27,18 @@ On a mesh of several chips each Mosaic kernel runs per shard (XLA cannot partiti
 the engine lowers its programs under the mesh and :mod:`kernels.backend` wraps each kernel call in a
 ``shard_map``, the rows split over ``data``, replicated over ``model``).
 
+``--weights int8`` builds the parameters with int8 matmul weights and a bf16 scale per output channel
+(:mod:`polestar_jax.models.quant`; LLaDA-8B's 14.9 GiB of weights become 7.5 GiB); every row says its
+``weights``. ``--fit-batch``: a batched program left out for want of HBM gets ``largest_fitting_batch``, the
+largest batch below its own that compiles and fits (predicted from XLA's bytes, compiled, and the batch above
+it shown not to fit; :func:`fit_batch`).
+
 ``--resume`` keeps the rows of an earlier ``--json FILE`` and compiles only the (program, target) pairs it
-lacks (a long matrix on a busy machine, in several runs; the meta file keeps every run's provenance).
+lacks (keyed by program, target and weights; a long matrix on a busy machine, in several runs; the meta
+file keeps every run's provenance).
 
 Columns (``--json FILE``: a list of rows; the run's date, command, versions and load beside it, FILE's
-name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``kernels``, ``compile_seconds``,
+name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``weights``, ``kernels``, ``compile_seconds``,
 ``per_device_bytes`` (XLA's memory analysis of the compiled program: arguments + outputs - aliased +
 temporaries, per chip), ``hbm_bytes`` (one chip's HBM), ``fits``, ``mosaic_kernels`` (the
 ``tpu_custom_call``\\ s of the optimized HLO). A program XLA refuses for want of HBM
@@ -158,27 +165,33 @@ def decode_config(decoder: str, cfg, kernels: str):
     return DecodeConfig(decoder="fastdllm", cache="dual", gen_length=GEN, block_length=BLOCK, threshold=0.9)
 
 
-def make_engine(cfg, mesh):
+def make_engine(cfg, mesh, weights: str = "bfloat16"):
     """An :class:`~polestar_jax.engine.engine.Engine` of abstract bf16 parameters on ``mesh`` (sharded by
-    the engine's own rules: whole heads over ``model``)."""
+    the engine's own rules: whole heads over ``model``); ``weights="int8"``: every matmul weight int8 with a
+    bf16 scale per output channel (:func:`polestar_jax.models.quant.quantize_params`)."""
     import jax
     import jax.numpy as jnp
 
     from polestar_jax.engine.engine import Engine
     from polestar_jax.models import llada as M
+    from polestar_jax.models import quant
 
-    params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0, impl="rbg"), dtype=jnp.bfloat16))
+    mode = "int8" if weights == "int8" else "float"
+    params = jax.eval_shape(lambda: quant.quantize_params(
+        M.init_params(cfg, jax.random.key(0, impl="rbg"), dtype=jnp.bfloat16), mode))
     return Engine(params, cfg, mesh=mesh)
 
 
-def compile_block(engine, name: str, kernels: str):
-    """Program ``name`` compiled by ``engine`` (:meth:`Engine.block_program`): ``(compiled, seconds)``."""
+def compile_block(engine, name: str, kernels: str, batch: Optional[int] = None):
+    """Program ``name`` compiled by ``engine`` (:meth:`Engine.block_program`): ``(compiled, seconds)``;
+    ``batch``: another batch than the name's (:func:`fit_batch`)."""
     import jax.numpy as jnp  # noqa: F401  (jax is imported by now)
 
     from polestar_jax.engine.engine import running_spec
     from jax.sharding import NamedSharding, PartitionSpec
 
-    decoder, batch, running = _block_name(name)
+    decoder, named, running = _block_name(name)
+    batch = batch or named
     dcfg = decode_config(decoder, engine.config, kernels)
     spec = running_spec(engine, dcfg, batch, sampling=True) if running else engine.spec(dcfg)
     state = engine.initial_state([[5] * PROMPT] * batch, dcfg, PROMPT, 0, None, None, abstract=True)
@@ -205,14 +218,16 @@ def oom_bytes(message: str) -> Optional[int]:
     return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GIB, "T": 1 << 40}[m.group(2)])
 
 
-def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto") -> dict:
-    """The row of program ``name`` on ``target`` (see the module docstring)."""
+def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto", weights: str = "bfloat16",
+                batch: Optional[int] = None) -> dict:
+    """The row of program ``name`` on ``target`` (see the module docstring); ``batch``: compiled at another
+    batch than the name's."""
     row: dict[str, Any] = {"program": name, "target": target.name, "mesh": mesh_text(mesh),
                            "kernels": kernels if name.startswith("block_polestar") else "none",
-                           "hbm_bytes": target.hbm_bytes}
+                           "weights": weights, "hbm_bytes": target.hbm_bytes}
     t0 = time.perf_counter()
     try:
-        prog, seconds = compile_block(engine, name, kernels)
+        prog, seconds = compile_block(engine, name, kernels, batch)
     except Exception as e:  # noqa: BLE001 - a program XLA refuses for want of HBM is a row that says so
         need = oom_bytes(str(e))
         if need is None:
@@ -227,35 +242,73 @@ def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto") 
     return row
 
 
+def fit_batch(engine, name: str, target: Target, mesh, row: dict, weights: str, most_probes: int = 5,
+              log: Callable[[str], None] = _log) -> Optional[dict]:
+    """For a batched program left out for want of HBM (``row``), the largest batch below the name's that
+    compiles and fits: a batch predicted from the bytes XLA reports (linear in the batch), compiled, then
+    the next batch up compiled to show it does not fit. ``{"batch", "per_device_bytes", "compile_seconds",
+    "next_needs_bytes"}`` (None: no batch of 1 fits, or the probes ran out)."""
+    top = _block_name(name)[1]
+    probes: dict[int, dict] = {top: row}
+
+    def probe(b: int) -> dict:
+        if b not in probes:
+            log(f"  fit search: batch {b} ...")
+            probes[b] = compile_row(engine, name, target, mesh, weights=weights, batch=b)
+            engine.clear()
+        return probes[b]
+
+    probe(max(1, top // 2))
+    for _ in range(most_probes):
+        good = max((b for b, r in probes.items() if r["fits"]), default=0)
+        bad = min(b for b, r in probes.items() if not r["fits"])
+        if bad == good + 1:
+            return None if not good else {
+                "batch": good, "per_device_bytes": probes[good]["per_device_bytes"],
+                "compile_seconds": probes[good]["compile_seconds"], "next_needs_bytes": probes[bad]["per_device_bytes"]}
+        # the bytes linear in the batch through the two probes nearest the boundary
+        b0 = good or min(probes)
+        b1 = bad if good or b0 != bad else top
+        slope = max(1, (probes[b1]["per_device_bytes"] - probes[b0]["per_device_bytes"]) // max(1, b1 - b0))
+        guess = b0 + (target.hbm_bytes - probes[b0]["per_device_bytes"]) // slope
+        probe(int(min(bad - 1, max(good + 1, guess))))
+    return None
+
+
 def run(targets: list[str], programs: list[str], layers: Optional[int] = None, smoke: bool = False,
         log: Callable[[str], None] = _log, done: Callable[[list], None] = lambda rows: None,
-        rows: Optional[list[dict]] = None) -> list[dict]:
-    """Compiles ``programs`` for each of ``targets`` (the pairs ``rows`` already holds are kept, not compiled
-    again); a program that fails otherwise is a row with its ``error`` (one line). ``done(rows)`` is called
-    after each row (the rows so far, in target then program order)."""
+        rows: Optional[list[dict]] = None, weights: str = "bfloat16", fit: bool = False) -> list[dict]:
+    """Compiles ``programs`` for each of ``targets`` with ``weights`` (the (program, target, weights) rows
+    ``rows`` already holds are kept, not compiled again); a program that fails otherwise is a row with its
+    ``error`` (one line). ``fit``: a batched program left out for want of HBM gets its largest fitting
+    batch (:func:`fit_batch`, key ``largest_fitting_batch``). ``done(rows)`` is called after each row (the
+    rows so far, in target, program, weights order)."""
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)  # (every program compiles here)
     cfg = model_config(layers, smoke)
-    rows = list(rows or [])
-    have = {(r["program"], r["target"]) for r in rows if "error" not in r}
-    rows = [r for r in rows if (r["program"], r["target"]) in have and "error" not in r]
-    order = lambda r: (list(TARGETS).index(r["target"]), PROGRAMS.index(r["program"]))
+    rows = [dict(r, weights=r.get("weights", "bfloat16")) for r in rows or []]  # (rows before int8: bf16)
+    have = {(r["program"], r["target"], r["weights"]) for r in rows if "error" not in r}
+    rows = [r for r in rows if (r["program"], r["target"], r["weights"]) in have and "error" not in r]
+    order = lambda r: (list(TARGETS).index(r["target"]), PROGRAMS.index(r["program"]), r["weights"])
     for target in targets:
-        todo = [name for name in programs if (name, target) not in have]
+        todo = [name for name in programs if (name, target, weights) not in have]
         if not todo:
             continue
         mesh = topology_mesh(target)
-        engine = make_engine(cfg, mesh)
+        engine = make_engine(cfg, mesh, weights)
         for name in todo:
-            log(f"[tpu_proxy] {name} on {target} ({mesh_text(mesh)}, {cfg.n_layers} layers) ...")
+            log(f"[tpu_proxy] {name} on {target} ({mesh_text(mesh)}, {cfg.n_layers} layers, {weights} weights) ...")
             try:
-                row = compile_row(engine, name, TARGETS[target], mesh)
+                row = compile_row(engine, name, TARGETS[target], mesh, weights=weights)
+                engine.clear()
+                if fit and "left_out" in row and _block_name(name)[1] > 1:
+                    row["largest_fitting_batch"] = fit_batch(engine, name, TARGETS[target], mesh, row, weights)
                 log(f"  {row['per_device_bytes'] / GIB:.2f} GiB per chip of {row['hbm_bytes'] / GIB:g}, "
                     f"{row['mosaic_kernels']} Mosaic kernels, {row['compile_seconds']} s"
                     + (f"; left out: {row['left_out']}" if "left_out" in row else ""))
             except Exception as e:  # noqa: BLE001 - record it and go on with the other programs
-                row = {"program": name, "target": target, "mesh": mesh_text(mesh),
+                row = {"program": name, "target": target, "mesh": mesh_text(mesh), "weights": weights,
                        "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
                 log(f"  error: {row['error']}")
             row["layers"] = cfg.n_layers
@@ -268,15 +321,18 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (GiB = 2^30 bytes)."""
-    lines = ["| program | target | mesh | kernels | compile s | GiB per chip | HBM GiB | fits | Mosaic kernels |",
-             "|---|---|---|---|---:|---:|---:|---|---:|"]
+    lines = ["| program | target | mesh | weights | kernels | compile s | GiB per chip | HBM GiB | fits | Mosaic kernels |",
+             "|---|---|---|---|---|---:|---:|---:|---|---:|"]
     for r in rows:
-        head = f"| {r['program']} | {r['target']} | {r['mesh']} |"
+        head = f"| {r['program']} | {r['target']} | {r['mesh']} | {r.get('weights', 'bfloat16')} |"
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:80]} | | | | | |")
         elif "left_out" in r:
+            fb = r.get("largest_fitting_batch")
             lines.append(f"{head} {r['kernels']} | {r['compile_seconds']} | {r['per_device_bytes'] / GIB:.2f} "
-                         f"| {r['hbm_bytes'] / GIB:g} | **left out** (XLA: HBM OOM) | |")
+                         f"| {r['hbm_bytes'] / GIB:g} | **left out** (XLA: HBM OOM)"
+                         + (f"; batch {fb['batch']} fits ({fb['per_device_bytes'] / GIB:.2f} GiB)" if fb else "")
+                         + " | |")
         else:
             lines.append(f"{head} {r['kernels']} | {r['compile_seconds']} | {r['per_device_bytes'] / GIB:.2f} "
                          f"| {r['hbm_bytes'] / GIB:g} | {'yes' if r['fits'] else 'NO'} | {r['mosaic_kernels']} |")
@@ -310,6 +366,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="comma list (default: all) from: " + ", ".join(PROGRAMS))
     ap.add_argument("--resume", action="store_true", help="keep the rows of --json FILE and compile only the "
                     "(program, target) pairs it lacks")
+    ap.add_argument("--weights", default="bfloat16", choices=["bfloat16", "int8"],
+                    help="the parameters: bfloat16, or int8 matmul weights with a bf16 scale per output channel "
+                    "(polestar_jax.models.quant); each row says which")
+    ap.add_argument("--fit-batch", action="store_true", help="a batched program left out for want of HBM: "
+                    "search the largest batch that fits (a few more compiles; key largest_fitting_batch)")
     ap.add_argument("--layers", type=int, default=None, help="LLaDA-8B layers built (default: all 32)")
     ap.add_argument("--smoke", action="store_true", help="a tiny LLaDA-shaped model (2 layers, d_model 128), "
                     "v5e:1x1 and block_polestar_b1 unless --targets / --programs say otherwise: seconds")
@@ -361,7 +422,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 json.dump(obj, f, indent=1)
                 f.write("\n")
 
-    rows = run(args.targets, args.programs, args.layers, args.smoke, done=write, rows=earlier)
+    rows = run(args.targets, args.programs, args.layers, args.smoke, done=write, rows=earlier,
+               weights=args.weights, fit=args.fit_batch)
     write(rows)
     print(table(rows))
     print(f"\n{meta['date']}, jax {meta['jax_version']}, libtpu {meta['libtpu_version']}, commit {meta['commit']}, "

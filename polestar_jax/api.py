@@ -42,6 +42,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from polestar_jax.config import DecodeConfig, ModelConfig, PolestarConfig
 from polestar_jax.errors import PolestarError
+from polestar_jax.models import quant
 from polestar_jax.resolve import DECODE_FIELDS, POLESTAR_FIELDS, resolve, type_word  # noqa: F401 (re-exported)
 
 __all__ = ["Model", "Generation", "Generations", "load", "use_compile_cache", "decode_config", "DECODE_FIELDS",
@@ -182,6 +183,8 @@ class Model:
 
     path:           the folder (HF or converted); None = the bundled ``tiny_tasks`` model
     dtype:          cast the weights (``"float32"``, ``"bfloat16"``; default: as stored)
+    weights:        ``"float"`` (default) or ``"int8"``: every matmul weight stored as int8 with a scale per
+                    output channel (:mod:`polestar_jax.models.quant`; about half the bytes of bfloat16)
     mesh:           shard over a device mesh: ``"data=2,model=4"`` or a ``jax.sharding.Mesh``; a string first
                     joins the multi-process runtime the environment describes
                     (:func:`polestar_jax.sharding.join_runtime`), so the mesh spans every process's devices
@@ -198,7 +201,8 @@ class Model:
     """
 
     def __init__(self, path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
-                 compile_cache: bool = True, log: Optional[Any] = None, config: Optional[ModelConfig] = None):
+                 compile_cache: bool = True, log: Optional[Any] = None, config: Optional[ModelConfig] = None,
+                 weights: str = "float"):
         from polestar_jax import cli
         from polestar_jax.io.tokenizer import bundled_model_dir
 
@@ -218,8 +222,10 @@ class Model:
         self.config: ModelConfig
         # with a mesh, each array is built from its shards (a process of a multi-process mesh reads its own)
         more = {} if config is None else {"config": config}  # (a config already read: not read again)
-        self.config, self.params = load_model(self.path, dtype=dtype, shardings=mesh, **more)
-        self.dtype = dtype
+        quant.check_mode(weights)
+        self.config, self.params = load_model(self.path, dtype=dtype, shardings=mesh, **more,
+                                              transform=lambda p: quant.quantize_params(p, weights))
+        self.dtype, self.weights = dtype, weights
         self.tokenizer = load_tokenizer(self.path)
         from polestar_jax.engine.engine import Engine
 
@@ -358,6 +364,6 @@ class Model:
 
 
 def load(path: Optional[str] = None, dtype: Optional[str] = None, mesh: Any = None,
-         compile_cache: bool = True, log: Optional[Any] = None) -> Model:
+         compile_cache: bool = True, log: Optional[Any] = None, weights: str = "float") -> Model:
     """Loads a model folder (None: the bundled ``tiny_tasks`` model); see :class:`Model`."""
-    return Model(path, dtype=dtype, mesh=mesh, compile_cache=compile_cache, log=log)
+    return Model(path, dtype=dtype, mesh=mesh, compile_cache=compile_cache, log=log, weights=weights)

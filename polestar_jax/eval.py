@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-args", default="", help="more polestar-jax model_args, k=v,... (see "
                                                       "polestar_jax.lm_eval_model)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
+    ap.add_argument("--weights", default=None, choices=["float", "int8"],
+                    help="int8: matmul weights stored as int8 with a scale per output channel (default: float)")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4 (with several "
                                                  "processes: over all their devices)")
     cli.add_distributed_flags(ap)
@@ -160,7 +162,8 @@ def model_args_from(args, preset: Optional[Preset]) -> dict[str, Any]:
     out.update(given)
     if args.model is not None:
         out["model"] = args.model
-    for key, value in (("batch_size", args.batch_size), ("dtype", args.dtype), ("mesh", args.mesh)):
+    for key, value in (("batch_size", args.batch_size), ("dtype", args.dtype), ("weights", args.weights),
+                       ("mesh", args.mesh)):
         if value is not None:
             out[key] = value.replace(",", ";") if key == "mesh" else value
     seed = args.seed if args.seed is not None else out.get("seed", preset.seed if preset else 0)

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="cast weights (default: as stored; --dry-run plans for the torch_dtype config.json "
                          "declares, else bfloat16)")
+    ap.add_argument("--weights", default="float", choices=["float", "int8"],
+                    help="float (default) or int8: every matmul weight stored as int8 with a scale per output "
+                         "channel, about half the memory of bfloat16 (docs/scaling.md#int8-weights)")
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout (one line; the "
                                                         "responses and the stats line go to stderr)")
@@ -202,9 +205,9 @@ def dry_run(args, dcfg: DecodeConfig, cfg: ModelConfig, path: str) -> int:
         raise PolestarError(f"prompt length {prompt_length} + gen length {dcfg.gen_length} exceeds "
                             f"max_sequence_length {cfg.max_sequence_length}")
     dtype, source = (args.dtype, "--dtype") if args.dtype else stored_dtype(path)
-    mp = plan(cfg, dcfg, batch=batch, prompt_len=prompt_length, dtype=dtype)
+    mp = plan(cfg, dcfg, batch=batch, prompt_len=prompt_length, dtype=dtype, weights=args.weights)
     print(f"plan: {path} decoder={dcfg.decoder} batch={batch} prompt={prompt_length} "
-          f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={dtype} ({source})")
+          f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={dtype} ({source}) weights={args.weights}")
     for line in mp.lines() + [p.line() for p in images]:
         print("  " + line)
     if args.json:
@@ -302,7 +305,7 @@ def _load(args, model_dir: str, cfg: ModelConfig):
               "first device", file=sys.stderr)
     log = None if args.quiet or not sharding.is_leader() else (lambda m: print(m, file=sys.stderr, flush=True))
     # (with a mesh each process reads its own shards)
-    return api.Model(model_dir, dtype=args.dtype, mesh=mesh, log=log, config=cfg)
+    return api.Model(model_dir, dtype=args.dtype, mesh=mesh, log=log, config=cfg, weights=args.weights)
 
 
 def _print_rows(out, dcfg: DecodeConfig, compiled, text_out) -> None:

@@ -86,6 +86,7 @@ _OWN_ARGS: dict[str, tuple[Any, Any, str]] = {
     "model": (str, None, "model folder (HF or converted); default: the bundled tiny_tasks model"),
     "batch_size": (int, 1, "rows per decode batch (the paper's protocol: 1)"),
     "dtype": (str, None, "cast the weights: float32 or bfloat16 (default: as stored)"),
+    "weights": (str, "float", "float or int8: matmul weights stored as int8 with a scale per output channel"),
     "mesh": (str, None, "device mesh, axes separated by ';' (data=2;model=4)"),
     "seed": (int, 0, "job seed: request i of a task draws from (seed, i)"),
     "pad_multiple": (int, 16, "prompts are left-padded to a multiple of this (one executable per length bucket)"),
@@ -225,7 +226,7 @@ class PolestarLM(LM):
         self.own, self.knobs = parse_model_args(model_args)
         self.model_args = dict(model_args)
         self.model = model_obj if model_obj is not None else api.Model(
-            self.own["model"], dtype=self.own["dtype"], mesh=self.own["mesh"])
+            self.own["model"], dtype=self.own["dtype"], mesh=self.own["mesh"], weights=self.own["weights"])
         self.tokenizer = self.model.tokenizer
         self.batch_size = self.own["batch_size"]
         self.seed = self.own["seed"]
@@ -295,6 +296,7 @@ class PolestarLM(LM):
 
     def get_model_info(self) -> dict:
         return {"model_name": self.model.path, "model_dtype": self.own["dtype"] or "as stored",
+                "model_weights": self.own["weights"],
                 "polestar_jax_decoder": dataclasses.asdict(self.decode_config(self.fixed_gen_length))}
 
     # -------------------------------------------------------------------------- rows

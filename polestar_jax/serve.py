@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "data: URLs only)")
     ap.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="cast weights (default: as stored)")
+    ap.add_argument("--weights", default="float", choices=["float", "int8"],
+                    help="float (default) or int8 matmul weights with a scale per output channel")
     ap.add_argument("--quiet", action="store_true", help="no compile progress on stderr")
     return ap
 
@@ -165,7 +167,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     from polestar_jax.serving.app import create_app
 
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    model = api.load(args.model, dtype=args.dtype, mesh=args.mesh, compile_cache=True, log=log)
+    model = api.load(args.model, dtype=args.dtype, mesh=args.mesh, compile_cache=True, log=log, weights=args.weights)
     limits, dcfg = _limits(args, model)
     note = test_bed_note(model.path)
     if note:

@@ -111,6 +111,8 @@ def param_shardings(params: Any, mesh: Mesh, cfg: Any = None) -> Any:
     m = mesh.shape.get("model", 1)
 
     def spec(path, leaf):
+        if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey):  # an int8 weight's q / scale
+            path = path[:-1]  # (its scale, size 1 on the split input axis, is replicated there by _fit)
         name = str(getattr(path[-1], "key", path[-1]))
         axes = _PARAM_SPECS.get(name, ())
         if cfg is not None and name in _HEAD_SPLIT and getattr(cfg, _HEAD_SPLIT[name]) % m:

@@ -64,3 +64,24 @@ def test_smoke_compiles_a_sharded_polestar_block_with_its_mosaic_kernels(tmp_pat
     shard = sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in leaves)
     assert shard < whole and shard <= row["per_device_bytes"] < 1 << 30
     assert row["hbm_bytes"] == 16 << 30 and row["fits"] is True
+
+
+@needs_libtpu
+def test_int8_weights_shard_as_their_float_weights():
+    """``--weights int8``: each int8 weight and its scale split over ``model`` as the float weight does (a
+    scale's size-1 input axis replicated), so a chip holds half the weight bytes of bf16."""
+    from jax.sharding import PartitionSpec as P
+
+    from polestar_jax.models import quant
+
+    tpu_proxy.name_platform()
+    mesh = tpu_proxy.topology_mesh("v5e:2x2")
+    cfg = tpu_proxy.model_config(None, smoke=True)
+    f, q = (tpu_proxy.make_engine(cfg, mesh, w).params for w in ("bfloat16", "int8"))
+    wq, wo = q["blocks"]["wq"], q["blocks"]["wo"]
+    assert quant.is_qtensor(wq) and wq.q.dtype == np.int8 and wq.scale.dtype == f["blocks"]["wq"].dtype
+    assert wq.q.sharding.spec == wq.scale.sharding.spec == f["blocks"]["wq"].sharding.spec == P(None, None, "model")
+    assert wo.q.sharding.spec == f["blocks"]["wo"].sharding.spec == P(None, "model", None)
+    assert wo.scale.sharding.spec == P(None, None, None)
+    chip = lambda tree: sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+    assert 0.45 < chip(q) / chip(f) < 0.55

@@ -38,6 +38,7 @@ from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
 from polestar_jax.config import GPU_PLATFORMS, DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
 from polestar_jax.sharding import to_host
+from polestar_jax.models import quant
 from polestar_jax.decode.layout import init_decode_state, own_state, state_layout
 from polestar_jax.engine.results import (Completion, GenerateResult, JobResult, RowOutput,  # noqa: F401 (re-exported)
                                         polestar_stats)
@@ -174,7 +175,7 @@ class Engine:
 
             params = sharding.shard(params, sharding.param_shardings(params, mesh, config))  # whole heads (GQA)
         self.params = params
-        self.dtype = jax.tree.leaves(params)[0].dtype
+        self.dtype = quant.float_dtype(params)  # (int8 weights: their scales' float dtype)
         eot = frozenset() if tokenizer is None else frozenset(getattr(tokenizer, "end_of_turn_ids", ()))
         #: ids that end a response (EOS, pad, the chat end-of-turn token)
         self.stop_ids = frozenset({config.eos_token_id, config.pad_token_id}) | eot

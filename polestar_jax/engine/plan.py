@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from polestar_jax.config import DecodeConfig, ModelConfig
+from polestar_jax.models import quant
 
 
 @dataclasses.dataclass
@@ -50,8 +51,9 @@ class MemoryPlan:
 
 
 def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int = 128, dtype="bfloat16",
-         compile_step: bool = True) -> MemoryPlan:
-    """Plans one generation of ``batch`` prompts of ``prompt_len`` tokens."""
+         compile_step: bool = True, weights: str = "float") -> MemoryPlan:
+    """Plans one generation of ``batch`` prompts of ``prompt_len`` tokens (``weights="int8"``: with int8 matmul
+    weights, :mod:`polestar_jax.models.quant`)."""
     from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
     from polestar_jax.decode.layout import init_decode_state, own_state
     from polestar_jax.decode.state import tree_bytes
@@ -62,6 +64,7 @@ def plan(cfg: ModelConfig, dcfg: DecodeConfig, batch: int = 1, prompt_len: int =
     # the parameter shapes of cfg's family (Dream adds the q/k/v biases)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dt), param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.eval_shape(lambda p: quant.quantize_params(p, quant.check_mode(weights)), params)
     param_bytes = tree_bytes(params)
     if cfg.vision is not None:  # LLaDA-V: the batch's image-row table (polestar_jax.engine.images) is an input
         params["image_rows"] = jax.ShapeDtypeStruct((batch * prompt_len, cfg.d_model), dt)

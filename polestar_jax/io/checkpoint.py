@@ -47,7 +47,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -620,7 +620,8 @@ def _hf_params_sharded(tensors: LazyTensors, cfg: ModelConfig, want: Optional[np
 
 
 def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None,
-               shardings: Any = None, config: Optional[ModelConfig] = None) -> tuple[ModelConfig, Params]:
+               shardings: Any = None, config: Optional[ModelConfig] = None,
+               transform: Optional[Callable[[Params], Params]] = None) -> tuple[ModelConfig, Params]:
     """Loads a model folder: an HF folder (``config.json`` + ``model.safetensors`` or a sharded index) or a
     folder written by :func:`save_converted` (``config.json`` + orbax ``params/``).
 
@@ -634,6 +635,10 @@ def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None,
             shardings), so each process of a multi-process mesh reads and holds only its own shards.
         config: the model's config instead of the folder's ``config.json`` (e.g. with a mask id the file
             lacks: a golden LLaDA-MoE folder keeps it in ``cases.json``).
+        transform: a function of the params pytree applied before it is returned (int8 weights:
+            :func:`polestar_jax.models.quant.quantize_params`). An HF folder loaded without ``shardings`` passes
+            it the host arrays, so a transform that returns device arrays leaf by leaf (quantization) never
+            holds the whole float model on the device; the other paths apply it to the loaded arrays.
 
     Returns:
         ``(cfg, params)`` with params a pytree of jax arrays on the default device (module docstring),
@@ -650,11 +655,15 @@ def load_model(path: Union[str, os.PathLike], dtype: DTypeLike = None,
         params = _read_orbax_params(os.path.abspath(os.path.join(path, PARAMS_SUBDIR)), cfg, shardings)
         if want is not None:
             params = jax.tree.map(lambda x: x.astype(want), params)
-        return cfg, params
+        return cfg, (transform or _same)(params)
     if shardings is not None:
-        return cfg, _hf_params_sharded(read_hf_folder(path), cfg, want, shardings)
-    params = hf_to_params(read_hf_folder(path), cfg, dtype=want)
+        return cfg, (transform or _same)(_hf_params_sharded(read_hf_folder(path), cfg, want, shardings))
+    params = (transform or _same)(hf_to_params(read_hf_folder(path), cfg, dtype=want))
     return cfg, jax.tree.map(jnp.asarray, params)
+
+
+def _same(params: Params) -> Params:
+    return params
 
 
 GENERATION_FILE = "generation_config.json"

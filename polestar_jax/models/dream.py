@@ -39,14 +39,14 @@ Rope, Keys, LayerOut, ForwardOut = llada.Rope, llada.Keys, llada.LayerOut, llada
 def project_q(lp: llada.LayerParams, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Input norm and biased query projection of rows ``h`` [b, T, D]: q [b, H, T, hd] (un-rotated)."""
     xn = llada.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return llada.split_heads(xn @ lp["wq"] + lp["bq"], cfg.n_heads)
+    return llada.split_heads(llada.mm(xn, lp["wq"]) + lp["bq"], cfg.n_heads)
 
 
 def project_kv(lp: llada.LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Biased key / value projections: k, v [b, KV, T, hd] (un-rotated, what the cache stores)."""
     xn = llada.rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return (llada.split_heads(xn @ lp["wk"] + lp["bk"], cfg.n_kv_heads),
-            llada.split_heads(xn @ lp["wv"] + lp["bv"], cfg.n_kv_heads))
+    return (llada.split_heads(llada.mm(xn, lp["wk"]) + lp["bk"], cfg.n_kv_heads),
+            llada.split_heads(llada.mm(xn, lp["wv"]) + lp["bv"], cfg.n_kv_heads))
 
 
 #: One Dream layer: :func:`polestar_jax.models.llada.layer` with Dream's biased projections (same signature).

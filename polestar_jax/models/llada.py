@@ -10,7 +10,8 @@ RMSNorm is computed in float32 and cast back; RoPE is the "rotate-half" (NeoX) f
 attention has no causal mask (an optional key mask hides left padding); the LM head is untied.
 
 Parameters (a nested dict; per-layer weights stacked on axis 0 so the layers run under ``lax.scan``;
-linear weights are stored ``[in, out]``)::
+linear weights are stored ``[in, out]``; with int8 weights each matmul weight is a
+:class:`polestar_jax.models.quant.QTensor`, multiplied through :func:`~polestar_jax.models.quant.matmul`)::
 
     wte      [V, D]          blocks/attn_norm [N, D]     blocks/wq [N, D, H*hd]   blocks/wk [N, D, KV*hd]
     ln_f     [D]             blocks/ff_norm   [N, D]     blocks/wv [N, D, KV*hd]  blocks/wo [N, H*hd, D]
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from polestar_jax.config import ModelConfig
+from polestar_jax.models.quant import head as _head, matmul as mm, take_rows
 
 Params = dict[str, Any]
 LayerParams = dict[str, jax.Array]
@@ -141,18 +143,18 @@ def project_qkv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Ar
 def project_q(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The query part of :func:`project_qkv`: q [b, H, T, hd]."""
     xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return split_heads(xn @ lp["wq"], cfg.n_heads)
+    return split_heads(mm(xn, lp["wq"]), cfg.n_heads)
 
 
 def project_kv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The key / value part of :func:`project_qkv`: k, v [b, KV, T, hd] (un-rotated)."""
     xn = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    return split_heads(xn @ lp["wk"], cfg.n_kv_heads), split_heads(xn @ lp["wv"], cfg.n_kv_heads)
+    return split_heads(mm(xn, lp["wk"]), cfg.n_kv_heads), split_heads(mm(xn, lp["wv"]), cfg.n_kv_heads)
 
 
 def swiglu(lp: LayerParams, xn: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The dense SwiGLU MLP of normed rows ``xn`` [b, T, D] -> [b, T, D]."""
-    return (jax.nn.silu(xn @ lp["w_gate"]) * (xn @ lp["w_up"])) @ lp["w_down"]
+    return mm(jax.nn.silu(mm(xn, lp["w_gate"])) * mm(xn, lp["w_up"]), lp["w_down"])
 
 
 def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig,
@@ -162,7 +164,7 @@ def finish_layer(lp: LayerParams, h: jax.Array, a: jax.Array, cfg: ModelConfig,
     ``h`` [b, T, D]."""
     b_, _, t_, _ = a.shape
     a = a.transpose(0, 2, 1, 3).reshape(b_, t_, -1)
-    h = h + a @ lp["wo"]
+    h = h + mm(a, lp["wo"])
     xn = rms_norm(h, lp["ff_norm"], cfg.rms_norm_eps)
     return h + (mlp or swiglu)(lp, xn, cfg)
 
@@ -325,13 +327,13 @@ def slice_write(cache: Any, start: Any, mask: Optional[jax.Array] = None):
 
 def embed(params: Params, ids: jax.Array) -> jax.Array:
     """Token embeddings: ids [b, T] int -> [b, T, D] (no scaling)."""
-    return jnp.take(params["wte"], ids, axis=0)
+    return take_rows(params["wte"], ids)
 
 
 def lm_head(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final RMSNorm and untied head: [b, T, D] -> float32 logits [b, T, V]."""
     hn = rms_norm(h, params["ln_f"], cfg.rms_norm_eps)
-    return jnp.einsum("btd,dv->btv", hn, params["lm_head"], preferred_element_type=jnp.float32)
+    return _head(hn, params["lm_head"])
 
 
 def layer_scan(body: Callable, carry: Any, xs: Any, buffers: Any, unroll: int | bool = 1):

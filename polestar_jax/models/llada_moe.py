@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 from polestar_jax.config import ModelConfig
-from polestar_jax.models import llada
+from polestar_jax.models import llada, quant
 
 embed = llada.embed
 lm_head = llada.lm_head
@@ -140,7 +140,9 @@ def moe_mlp(lp: llada.LayerParams, xn: jax.Array, cfg: ModelConfig) -> jax.Array
     b, t, d = xn.shape
     x = xn.reshape(b * t, d)  # [M, D]
     _, idx, weight = route(lp["router"], x, cfg.moe.top_k)
-    return grouped_experts(x, weight, idx, lp["e_gate"], lp["e_up"], lp["e_down"]).reshape(b, t, d)
+    # int8 experts: this layer's experts dequantized here (ragged_dot takes float groups; quant module docstring)
+    experts = (quant.dequantize(lp[k], xn.dtype) for k in ("e_gate", "e_up", "e_down"))
+    return grouped_experts(x, weight, idx, *experts).reshape(b, t, d)
 
 
 #: One LLaDA-MoE layer: :func:`polestar_jax.models.llada.layer` with q/k-norm and the MoE block (same signature).

@@ -56,7 +56,7 @@ def embed(params: dict, ids: jax.Array) -> jax.Array:
     row ``r`` of ``params["image_rows"]`` [R, D] when the parameters carry spliced image rows
     (:func:`with_image_rows`): how the decoders see an image's rows as prompt rows. [b, T, D]."""
     wte = params["wte"]
-    h = jnp.take(wte, jnp.minimum(ids, wte.shape[0] - 1), axis=0)
+    h = llada.take_rows(wte, jnp.minimum(ids, wte.shape[0] - 1))
     rows = params.get("image_rows")
     if rows is None:
         return h

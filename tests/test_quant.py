@@ -1,0 +1,149 @@
+"""Weight-only int8 quantization (:mod:`polestar_jax.models.quant`): the per-element error bound, the products'
+error bounds against the float weights, every family's int8 model = the float model of its dequantized weights,
+the trained test bed's answers, the command line's ``--weights`` and the memory plan."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from polestar_jax import api
+from polestar_jax import generate as gen_cli
+from polestar_jax.errors import ConfigError
+from polestar_jax.io.checkpoint import load_model
+from polestar_jax.io.tokenizer import asset_model_dir
+from polestar_jax.models import quant
+from polestar_jax.models.family import family_of
+
+F32_EPS = float(jnp.finfo(jnp.float32).eps)
+
+
+def _weights(dtype, shape=(3, 40, 24)):
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    w[..., 5] = 0.0  # an all-zero output channel
+    w[..., 7] *= 1e-6  # a tiny one
+    return jnp.asarray(w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("axis", [-2, -1])
+def test_quantize_error_is_at_most_half_a_scale(dtype, axis):
+    w = _weights(dtype)
+    qt = quant.quantize(w, axis)
+    assert qt.q.dtype == jnp.int8 and qt.scale.dtype == dtype and qt.shape == w.shape
+    assert qt.scale.shape[axis] == 1 and int(jnp.max(jnp.abs(qt.q.astype(jnp.int32)))) <= 127
+    wf, s = w.astype(jnp.float32), qt.scale.astype(jnp.float32)
+    err = jnp.abs(wf - quant.dequantize(qt, jnp.float32))
+    assert bool(jnp.all(err <= s / 2 * (1 + 4 * F32_EPS)))
+    # each channel's largest weight is 127 steps (absmax scaling; a bf16 scale rounded up by at most 2^-8 of
+    # itself may make it 126.5 steps: 126), an all-zero channel stays zero
+    amax_q = jnp.max(jnp.abs(qt.q.astype(jnp.int32)), axis=axis)
+    nonzero = jnp.max(jnp.abs(wf), axis=axis) > 0
+    assert bool(jnp.all(jnp.where(nonzero, amax_q >= (127 if dtype == jnp.float32 else 126), amax_q == 0)))
+    assert quant.dequantize(w) is w  # a float weight is its own dequantization
+
+
+def test_products_are_bounded_by_the_weight_error():
+    """``|x @ W - matmul(x, Q)| <= |x| @ (scale / 2)`` (plus float32 rounding) per output; the same for the
+    head and the embedding rows; float weights take the float code bit for bit."""
+    rng = np.random.default_rng(1)
+    w = _weights(jnp.float32, (40, 24))
+    x = jnp.asarray(rng.standard_normal((2, 5, 40)), jnp.float32)
+    qt = quant.quantize(w)
+    bound = jnp.sum(jnp.abs(x), -1, keepdims=True) * qt.scale[0] / 2  # [2, 5, 24]: sum_i |x_i| * scale_j / 2
+    slack = 64 * F32_EPS * (jnp.abs(x) @ jnp.abs(w))
+    for got in (quant.matmul(x, qt), quant.head(x, qt)):
+        assert bool(jnp.all(jnp.abs(got - x @ w) <= bound + slack))
+    np.testing.assert_array_equal(quant.matmul(x, w), x @ w)
+    np.testing.assert_array_equal(quant.head(x, w), jnp.einsum("btd,dv->btv", x, w))
+    ids = jnp.asarray([[0, 3, 39]])
+    rows = quant.quantize(w, -1)
+    assert bool(jnp.all(jnp.abs(quant.take_rows(rows, ids) - w[ids]) <= jnp.take(rows.scale, ids, axis=0) / 2))
+    np.testing.assert_array_equal(quant.take_rows(w, ids), jnp.take(w, ids, axis=0))
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return load_model(asset_model_dir("tiny_moe"), dtype="float32")
+
+
+@pytest.mark.parametrize("which", ["tiny_a", "dream", "moe"])
+def test_int8_model_is_the_float_model_of_its_dequantized_weights(which, request):
+    """LLaDA, Dream and LLaDA-MoE (its experts included): the int8 model's logits are those of the float model
+    whose weights are ``q * scale``, to float32 rounding; what quantization changed is the weights alone."""
+    cfg, params = request.getfixturevalue(which)
+    qparams = quant.quantize_params(params)
+    names = {k for k, v in {**qparams, **qparams["blocks"]}.items() if quant.is_qtensor(v)}
+    want = {"wte", "lm_head", "wq", "wk", "wv", "wo"} | (
+        {"e_gate", "e_up", "e_down"} if cfg.moe else {"w_gate", "w_up", "w_down"})
+    assert names == want and quant.weights_mode(qparams) == "int8" and quant.weights_mode(params) == "float"
+    assert quant.weight_bytes(qparams) < quant.weight_bytes(params) / 3  # float32 -> int8 (+ scales)
+    deq = jax.tree.map(lambda x: quant.dequantize(x, jnp.float32), qparams, is_leaf=quant.is_qtensor)
+    fam = family_of(cfg)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
+    got, ref = fam.logits(qparams, ids, cfg), fam.logits(deq, ids, cfg)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(ref))))
+    assert float(jnp.max(jnp.abs(fam.logits(params, ids, cfg) - got))) > 0  # (the weights did change)
+
+
+#: held-out prompts of the trained test bed (bench/tasks' eval seeds) and the decoder they run with
+_PROMPTS = ["copy: ann,bob,cal,dan", "reverse: eve,fay,gus", "sort: tom,bob,ivy,ann", "add: 123+456",
+            "copy: hal,ivy", "reverse: ann,bob,cal,dan,eve"]
+
+
+def test_int8_tiny_tasks_answers_as_the_float_model():
+    """The bundled trained model (float32) and its int8 weights answer held-out prompts alike (measured:
+    docs/scaling.md#int8-weights)."""
+    f = api.load(compile_cache=False)
+    q = api.load(compile_cache=False, weights="int8")
+    assert q.engine.dtype == f.engine.dtype == jnp.float32 and q.weights == "int8"
+    a = [g.text for g in f.generate(_PROMPTS, decoder="llada")]
+    b = [g.text for g in q.generate(_PROMPTS, decoder="llada")]
+    assert sum(x == y for x, y in zip(a, b)) >= len(_PROMPTS) - 1, (a, b)
+
+
+def _main(argv, capsys):
+    try:
+        code = gen_cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_weights_flag_and_plan(capsys, monkeypatch):
+    """``generate --weights int8`` answers; ``--dry-run --weights int8`` plans the int8 bytes: each matmul
+    weight at one byte per value plus one bf16 scale per output channel."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
+    cfg = api.ModelConfig.from_json(asset_model_dir("tiny_tasks") + "/config.json")
+    code, out, err = _main(["--prompt", "copy: ann,bob,cal", "--decoder", "llada", "--weights", "int8", "--json"],
+                           capsys)
+    assert code == 0, err
+    assert json.loads(out)["rows"][0]["text"] == "ann,bob,cal"
+    code, out, err = _main(["--dry-run", "--weights", "int8", "--dtype", "bfloat16", "--decoder", "llada", "--json"],
+                           capsys)
+    assert code == 0, err
+    assert "weights=int8" in out
+    from polestar_jax.config import DecodeConfig
+    from polestar_jax.engine.plan import plan
+
+    dcfg = DecodeConfig(decoder="llada", cache="none", gen_length=32, block_length=32, threshold=None)
+    plans = {w: plan(cfg, dcfg, compile_step=False, weights=w).param_bytes for w in ("float", "int8")}
+    assert json.loads(out.strip().splitlines()[-1])["param_bytes"] == plans["int8"]
+    d, f, v, hq, hk = (cfg.d_model, cfg.mlp_hidden_size, cfg.embedding_size, cfg.n_heads * cfg.head_dim,
+                       cfg.n_kv_heads * cfg.head_dim)
+    # bf16 -> int8 halves each quantized weight (2 bytes -> 1); one bf16 scale per output channel is added
+    values = 2 * v * d + cfg.n_layers * (d * hq + 2 * d * hk + hq * d + 3 * d * f)
+    scales = 2 * v + cfg.n_layers * (hq + 2 * hk + d + 2 * f + d)
+    assert plans["float"] - plans["int8"] == values - 2 * scales
+
+
+def test_bad_weights_value_is_one_line(capsys):
+    code, out, err = _main(["--prompt", "x", "--weights", "int4"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "int4" in lines[0] and "Traceback" not in err
+    with pytest.raises(ConfigError, match="unknown weights mode 'int4'"):
+        api.load(weights="int4", compile_cache=False)
