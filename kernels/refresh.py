@@ -426,11 +426,13 @@ def scatter_is_reference(backend: str, dtype=None) -> bool:
     """Whether :func:`scatter_kv_rows` with ``backend`` runs its jnp reference in the program being traced
     (``auto`` on this process's platform where it has no scatter kernel, and not staged for several
     platforms): a caller may then write the rows itself, in place into a larger buffer (the stacked K/V
-    cache: ``CacheSlot.scatter_rows``, the same rule), where the kernel needs the layer's cache copied out."""
-    if compat.kernels_staged():
+    cache: ``CacheSlot.scatter_rows``, the same rule), where the kernel needs the layer's cache copied out.
+    A CPU process may be compiling ahead for a TPU or a GPU, whose kernels ``auto`` must then reach (the
+    kernel follows the program's target), so there only ``reference`` writes in place."""
+    platform = jax.default_backend()
+    if compat.kernels_staged() or platform == "cpu":
         return backend == "reference"
     exclude = mosaic_rows_exclude(dtype) if dtype is not None else frozenset()
-    platform = jax.default_backend()
     if backend == "auto" and platform in exclude:
         return True
     return resolve_backend(backend, platform, kernel="scatter_rows") == "reference"
