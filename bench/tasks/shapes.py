@@ -3,7 +3,7 @@
 A :class:`Scene` is 1-4 copies of one shape (circle, square or triangle) in one colour of :data:`COLOURS`,
 drawn by Pillow on a plain light background of ``SIZE x SIZE`` pixels (384: LLaDA-V's crop size, so the
 ``anyres`` preprocessing neither scales nor pads it). The picture is a ``GRID x GRID`` board of ``CELL``-pixel
-cells (64: the tower's patch size, so every object lies inside one patch); each object sits in its own cell,
+cells (96: the tower's patch size, so every object lies inside one patch); each object sits in its own cell,
 its size and offset jittered. Every scene answers four questions (:data:`QUESTIONS`)::
 
     colour    "What colour are the shapes?"    -> "red"
@@ -30,7 +30,7 @@ __all__ = ["SIZE", "CELL", "GRID", "COLOURS", "SHAPES", "COUNTS", "QUESTIONS", "
            "MAX_ANSWER_CHARS"]
 
 SIZE = 384  # picture side in pixels
-CELL = 64  # cell side in pixels (the tower's patch)
+CELL = 96  # cell side in pixels (the tower's patch)
 GRID = SIZE // CELL  # cells per side
 BACKGROUND = (245, 245, 240)
 #: name -> RGB
@@ -68,7 +68,7 @@ class Instance(NamedTuple):
 
 
 def scene(rng: np.random.Generator) -> Scene:
-    """A random scene: shape, colour and count uniform; the objects in distinct random cells, each 40-52
+    """A random scene: shape, colour and count uniform; the objects in distinct random cells, each 56-80
     pixels wide with its top-left corner jittered inside the cell."""
     shape = SHAPES[rng.integers(len(SHAPES))]
     colour = tuple(COLOURS)[rng.integers(len(COLOURS))]
@@ -76,7 +76,7 @@ def scene(rng: np.random.Generator) -> Scene:
     cells = rng.choice(GRID * GRID, size=n, replace=False)
     boxes = []
     for c in cells:
-        side = int(rng.integers(40, 53))
+        side = int(rng.integers(56, 81))
         free = CELL - side - 4
         x0 = (int(c) % GRID) * CELL + 2 + int(rng.integers(0, free + 1))
         y0 = (int(c) // GRID) * CELL + 2 + int(rng.integers(0, free + 1))
