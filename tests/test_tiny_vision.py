@@ -107,3 +107,23 @@ def test_the_command_line_answers_from_the_picture(tmp_path, capsys, offline_ses
     lines = out.splitlines()
     got = [lines[lines.index(f"--- [{k}] {inst.question}") + 1] for k, inst in enumerate(insts)]
     assert got == [i.answer for i in insts]
+
+
+def test_the_vision_benchmark_runs_and_scores_against_the_scenes(tmp_path):
+    """``bench.bench_vision`` (smoke size): every decoder asked gets a row per task and one for all, its
+    accuracy the share of exact answers, its forwards counted; the markdown names the command."""
+    import json
+
+    from bench import bench_vision
+
+    out = tmp_path / "vision"
+    assert bench_vision.main(["--n", "1", "--batch", "4", "--repeats", "1", "--decoders", "polestar_v,llada",
+                              "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert {(r["decoder"], r["task"]) for r in results} == {(d, t) for d in ("polestar_v", "llada")
+                                                           for t in (*S.TASK_NAMES, "all")}
+    for r in results:
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["nfe"] > 0
+        if r["task"] != "all":
+            assert r["accuracy"] in (0.0, 1.0)  # one picture per task: right or wrong
+    assert "python -m bench.bench_vision --n 1" in (out / "results.md").read_text()
