@@ -732,12 +732,8 @@ def replay_llada_v_folder(folder: str, params, cfg, pad_multiple: int = 16,
     cases take the k-means draws, final labels and cluster selections of their ``decisions`` file."""
     import dataclasses as dc
 
-    import jax
-
     from polestar_jax.engine.engine import Engine, prompt_slot
-    from polestar_jax.models import image as img
     from polestar_jax.models import llada_v as lv
-    from polestar_jax.models import vision
 
     data = _read_json(os.path.join(folder, "cases.json"))
     results: list[CaseResult] = []
@@ -746,14 +742,11 @@ def replay_llada_v_folder(folder: str, params, cfg, pad_multiple: int = 16,
         results.append(r)
         progress(r)
 
-    encode = jax.jit(lambda p, px: vision.encode(p, px, cfg.vision))
     rows_of: dict = {}
 
-    def image_rows(rel: str):
+    def image_rows(rel: str):  # (each picture through the engine's own tower once)
         if rel not in rows_of:
-            px = img.preprocess(os.path.join(folder, rel), cfg.vision)
-            feats = encode(params, np.asarray(px.pixels, np.float32))
-            rows_of[rel] = lv.image_rows(feats, px.size, px.grid, params["image_newline"], cfg.vision)
+            rows_of[rel] = lv.encode_image(params, os.path.join(folder, rel), cfg)
         return rows_of[rel]
 
     for tag, case in (data.get("logits_cases") or {}).items():

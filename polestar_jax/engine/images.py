@@ -29,24 +29,6 @@ def has_vision(cfg: ModelConfig) -> bool:
     return getattr(cfg, "vision", None) is not None
 
 
-@functools.lru_cache(maxsize=8)
-def _tower(vc):
-    from polestar_jax.models import vision
-
-    return jax.jit(lambda params, pixels: vision.encode(params, pixels, vc))
-
-
-def image_rows(params: dict, cfg: ModelConfig, image) -> jax.Array:
-    """The prompt rows [R, D] of one RGB PIL image (``polestar_jax.io.images.open_image``): the official
-    pixels, the tower and projector (one compiled program per crop count) and the splicing."""
-    from polestar_jax.models import image as img
-    from polestar_jax.models import llada_v
-
-    px = img.preprocess(image, cfg.vision)
-    feats = _tower(cfg.vision)(params, jnp.asarray(px.pixels, params["projector"]["w1"].dtype))
-    return llada_v.image_rows(feats, px.size, px.grid, params["image_newline"], cfg.vision)
-
-
 def prompt_with_images(params: dict, cfg: ModelConfig, ids: Sequence[int],
                        images: Sequence[Any]) -> tuple[list[int], Optional[jax.Array]]:
     """``(local ids, rows [R, D] or None)`` of prompt ``ids`` whose ``IMAGE_TOKEN_INDEX`` placeholders take
@@ -55,7 +37,7 @@ def prompt_with_images(params: dict, cfg: ModelConfig, ids: Sequence[int],
 
     if not has_vision(cfg):
         raise PolestarError(f"this {cfg.family} model takes no images (LLaDA-V models do)")
-    rows = [image_rows(params, cfg, im) for im in images]
+    rows = [llada_v.encode_image(params, im, cfg) for im in images]
     (out,), with_rows = llada_v.with_image_rows({"wte": params["wte"]}, [ids], [rows], cfg)
     return out, with_rows.get("image_rows")
 

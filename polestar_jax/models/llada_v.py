@@ -165,9 +165,10 @@ def splice(params: dict, ids: Sequence[int], images: Sequence[jax.Array], cfg: M
 
 
 def encode_image(params: dict, image: img.ImageLike, cfg: ModelConfig) -> jax.Array:
-    """The prompt rows [R, D] of one image (a path or a PIL image): preprocess, tower, projector, splicing."""
+    """The prompt rows [R, D] of one image (a path or an RGB PIL image): the official pixels, the tower and
+    projector (:func:`polestar_jax.models.vision.encoder`: one compiled program per crop count), the splicing."""
     px = img.preprocess(image, cfg.vision)
-    feats = vision.encode(params, jnp.asarray(px.pixels, params["projector"]["w1"].dtype), cfg.vision)
+    feats = vision.encoder(cfg.vision)(params, jnp.asarray(px.pixels, params["projector"]["w1"].dtype))
     return image_rows(feats, px.size, px.grid, params["image_newline"], cfg.vision)
 
 

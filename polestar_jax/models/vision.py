@@ -23,7 +23,8 @@ weights stacked on axis 0, ``Nv`` = ``vc.n_layers``)::
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +86,10 @@ def project(pp: Params, features: jax.Array) -> jax.Array:
 def encode(params: Params, pixels: jax.Array, vc: VisionConfig) -> jax.Array:
     """Projected features of every crop of one image: pixels [n, 3, S, S] -> [n, side*side, D]."""
     return project(params["projector"], tower(params["vision"], pixels, vc))
+
+
+@functools.lru_cache(maxsize=8)
+def encoder(vc: VisionConfig) -> Callable[[Params, jax.Array], jax.Array]:
+    """:func:`encode` compiled for ``vc``: ``(params, pixels [n, 3, S, S]) -> [n, side*side, D]``, one program
+    per crop count (what every caller of the tower shares: the API, the engine, the server, the crosscheck)."""
+    return jax.jit(lambda params, pixels: encode(params, pixels, vc))
