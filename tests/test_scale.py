@@ -62,6 +62,29 @@ for dec, cache, thr in (("llada", "none", None), ("fastdllm", "prefix", 0.9)):
     out[f"{dec}/{cache} mesh = one device"] = all(same(one, r, sh, r) for r in (0, 1))
 # (one refresh width: the sharded compiles of every width branch would dominate this test; the Polestar
 # decode above runs the default widths on the mesh, and tokens do not depend on them: tests/test_refresh.py)
+# kernels.backend._per_shard: under the mesh a kernel call runs per device on its rows, split over `data`
+# where it divides the batch, replicated where not: a row-dependent "kernel" shows which rows each call saw,
+# and the Mosaic-layout drift kernel (interpreted) split over the rows equals its reference
+import jax.numpy as jnp
+from polestar_jax.kernels import backend as kb, kl_drift as kd
+minus_first = kb._per_shard(lambda x: [x - x[:1]])
+x4 = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+with jax.set_mesh(mesh):
+    y4, = jax.jit(minus_first)(x4)
+    y3, = jax.jit(minus_first)(x4[:3])
+split = np.concatenate([np.asarray(x4[:2] - x4[0]), np.asarray(x4[2:] - x4[2])])
+out["kernel call split over data"] = bool(np.array_equal(np.asarray(y4), split)
+                                          and np.array_equal(np.asarray(y3), np.asarray(x4[:3] - x4[0])))
+kq = jax.random.split(jax.random.key(3), 4)
+q, k = jax.random.normal(kq[0], (4, 4, 8, 16)), jax.random.normal(kq[1], (4, 2, 24, 16))
+valid = jax.random.uniform(kq[2], (4, 24)) > 0.2
+pp = jax.nn.softmax(jax.random.normal(kq[3], (4, 4, 8, 24)), axis=-1)
+drift_split = kb._per_shard(lambda *a: list(kd.kl_drift(*a, mode="token", interpret=True, flavor="mosaic")))
+with jax.set_mesh(mesh):
+    got = jax.jit(drift_split)(q, k, valid, pp)
+want = kd.kl_drift_reference(q, k, valid, pp, mode="token")
+out["kernel split = reference"] = all(np.allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+                                      for g, w in zip(got, want))
 res = crosscheck.replay_polestar_folder(data + "/polestar_tiny_p", params, cfg, batch=2, mesh=mesh,
                                         refresh_buckets=1)
 out["crosscheck_polestar"] = [r.name for r in res if r.status != "pass"]
@@ -75,7 +98,7 @@ def test_mesh_and_batch_rows_match_single_device_and_replay_golden():
     different lengths decoded together get exactly what they get alone (tokens, forwards, commit steps,
     block and Polestar statistics); the initial state is built on its shards; every decoder on the mesh
     gives what one device gives; the Polestar golden folder replays exactly on the mesh (batched 2 at a
-    time)."""
+    time); a kernel call under the mesh runs per device on its rows (``kernels.backend._per_shard``)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, DATA], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=1200)
@@ -84,7 +107,7 @@ def test_mesh_and_batch_rows_match_single_device_and_replay_golden():
     out = json.loads(line[len("RESULT "):])
     assert out.pop("crosscheck_polestar") == []
     assert out.pop("n_cases") == 16
-    assert len(out) == 6 and all(out.values()), out
+    assert len(out) == 8 and all(out.values()), out
 
 
 def test_crosscheck_batched_llada_format(tiny_a):
