@@ -457,7 +457,7 @@ def test_polestar_refresh_step_never_copies_the_store(tmp_path):
     """Polestar's refresh step (2 layers at LLaDA-8B shapes, batch 1, the store in device memory) writes the
     packet's stored inputs into the stacked store in place and reads stage 3's inputs from the store as
     written, so no kernel copies the store (bf16[2, 1, 96, 4096]): read from the store as it was before the
-    write, it outlived the write as two whole copies a layer (at batch 32, 4 x 25 MB a layer)."""
+    write, it outlived the write as two whole copies a layer."""
     dump = tmp_path / "hlo"
     row = _proxy_row(tmp_path, "polestar_refresh_step", "--attention", "exact", "--dump", str(dump))
     assert row["modeled_bytes"] <= 1.2 * row["min_bytes"], row
