@@ -16,7 +16,7 @@ from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.decode.polestar.drift import proxy_attention
 from polestar_jax.models.family import family_of
 from polestar_jax.kernels.refresh import scatter_kv_rows
-from polestar_jax.models.llada import Rope, layer_scan
+from polestar_jax.models.llada import Rope, attention_exact, layer_scan
 from polestar_jax.decode.polestar.state import Geometry, rows_at
 from polestar_jax.decode.state import DecodeState
 
@@ -109,8 +109,11 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
             # (the K/V cache rides in the scan's carry: model.layer_scan)
             write = lambda k, v: (scatter_kv_rows(kv[0], k, rows.write_idx, rows.write_valid, backend=pc.kernels),
                                   scatter_kv_rows(kv[1], v, rows.write_idx, rows.write_valid, backend=pc.kernels))
-        out = fam.layer(lp, h, cfg, q_rope, k_rope, state.key_valid, write=write, return_probs=True)
-        p_blk = lax.dynamic_slice_in_dim(out.probs, rows.block_offset, block, axis=2)  # kept from the last layer
+        # (no [T, L] probabilities: the pass's attention is the one a plain forward runs, fused where the
+        # platform has it; the drift needs the block rows' only, computed as the exact path computes them)
+        out = fam.layer(lp, h, cfg, q_rope, k_rope, state.key_valid, write=write)
+        q_blk = lax.dynamic_slice_in_dim(out.q_rot, rows.block_offset, block, axis=2)
+        p_blk = attention_exact(q_blk, out.keys.k_rot, out.keys.v, state.key_valid, return_probs=True)[1]
         stored, scale = offload.encode(hs, pc)
         return (out.h, p_blk), (offload.to_host(stored, pc), offload.to_host(scale, pc), hs), \
             (out.keys.k, out.keys.v)

@@ -246,6 +246,10 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
     # (with an int8 store the old rows are the dequantised ones: the shift carries their rounding)
     old = jnp.where(patch[..., None], got, jnp.zeros((), dt))
     cent = centroid_shift(xs.centroids, xs.labels, xs.counts, patch, old, carry.pk_h, backend=pc.kernels)
+    if direct:  # stage 3's inputs of the moved rows, read from the store as written: its packet rows take pk_h
+        # and the others are unchanged, so the same values; read from the old store, the stacked store would
+        # be copied (twice a layer) to outlive its in-place write
+        got = fetch_rows(store[0], store[1], every, have, pc, dt)
     k, v = ctx.fam.project_kv(xs.lp, jnp.concatenate([carry.h_blk, carry.pk_h], axis=1), ctx.cfg)
     write = _write_block(ctx, slot)  # (the block rows, in place)
     write(k[:, :, :ctx.block], v[:, :, :ctx.block])
