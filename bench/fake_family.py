@@ -44,10 +44,12 @@ def busy(x: jax.Array, iters: int) -> jax.Array:
 
 
 def _forward(params, ids, cfg, q_pos, key_pos, key_valid=None, cache=None, start=0, write=None, unroll=1,
-             device_iters: int = 0, **_):
+             device_iters: int = 0, into=None, **_):
     if device_iters:  # the forward's device time: matmuls whose result reaches the logits (times zero)
         q_pos = q_pos + busy(q_pos, device_iters).astype(q_pos.dtype)
     h = 10.0 * jax.nn.one_hot(script(q_pos), V)
+    if cache is None and into is not None:  # a full pass into the state's buffers: kept as they are (no K/V
+        cache = into  # is ever read; a running batch's rows share them: llada.CacheSlot)
     if cache is None:
         b, length = key_pos.shape
         z = jnp.zeros(family.LLADA.cache_shape(cfg, b, length), jnp.float32)

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 BATCH = ("data",)
 #: Axes of a layer-major field: [N, b, ...].
 LAYER_BATCH = (None, "data")
+#: The name of the rows axis of the block program's per-row ``vmap`` (a running batch: each row at its own block).
+ROWS = "rows"
 
 
 def axes(spec: tuple = BATCH, select: bool = True, **kwargs):

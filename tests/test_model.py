@@ -238,6 +238,13 @@ def test_fused_attention_equals_the_exact_path(dtype):
     want = np.asarray(llada.attention_exact(q, k, v, valid), np.float32)
     got = np.asarray(llada.fused_attention(q, k, v, valid, implementation="xla"), np.float32)
     np.testing.assert_allclose(got, want, atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    # a running batch's per-row vmap of it: one fused call over every row (the rows folded into its batch),
+    # the same rows as the call over the batch, shared keys (not mapped) included
+    rows = jax.vmap(lambda q, k, v, m: llada.fused_attention(q[None], k[None], v[None], m[None], "xla")[0],
+                    axis_name="rows")(q, k, v, valid)
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), got)
+    shared = jax.vmap(lambda q, m: llada.fused_attention(q[None], k[:1], v[:1], m[None], "xla")[0])(q, valid)
+    np.testing.assert_array_equal(np.asarray(shared[:1], np.float32), got[:1])
     # on a machine without cuDNN every program takes the exact path, bit for bit
     if not llada.cudnn_available():
         np.testing.assert_array_equal(np.asarray(llada.attention(q, k, v, valid), np.float32), want)
@@ -281,3 +288,40 @@ def test_rotated_cache_gives_the_keys_rotated_at_every_step_bit_for_bit(dtype):
     same(np.asarray(sv1, np.float32), np.asarray(sv0, np.float32))
     same(np.asarray(logits1), np.asarray(logits0))
     assert not np.array_equal(np.asarray(sk1), np.asarray(sk0))  # (the step's cache does hold rotated keys)
+
+
+def test_a_cache_shared_by_the_rows_of_a_vmap_reads_and_writes_each_rows_own_entries():
+    """The K/V cache a running batch's rows share (``CacheSlot``: not mapped by the per-row vmap, so a layer's
+    slice stays contiguous in the rows' loops): inside a layer scan, row writes at each row's own start, row
+    scatters, whole-layer writes, reads and a per-row keep give what a cache mapped per row gives, bit for
+    bit, and the buffer stays one [N, b, ...] array (no per-row copy)."""
+    n_layers, b, kv, length, hd, t = 3, 4, 2, 10, 5, 3
+    cache = jax.random.normal(jax.random.PRNGKey(0), (n_layers, b, kv, length, hd))
+    u = jax.random.normal(jax.random.PRNGKey(1), (b, 1, kv, t, hd))  # each row's rows [1, KV, T, hd]
+    start = jnp.asarray([0, 2, 5, 7], jnp.int32)
+    idx = jnp.asarray([[1, 9, 3], [0, 0, 4], [8, 2, 1], [5, 6, 11]], jnp.int32)[:, None]  # (11: dropped)
+    valid = jnp.asarray([[1, 1, 0], [1, 0, 1], [1, 1, 1], [0, 1, 1]], bool)[:, None]
+    keep = jnp.asarray([True, False, True, False])[:, None]
+
+    def row(c, u, st, ix, va, kp):
+        def body(carry, _):
+            (k,), i, acc = carry
+            slot = M.CacheSlot((k,), i).put_rows((u,), st, axis=2).scatter_rows((2 * u,), ix, va, axis=2)
+            got = slot.layer()[0]
+            slot = slot.put_layer((3 * got,))
+            return (slot.buffers, i + 1, acc + jnp.sum(slot.rows(st, t, axis=2)[0])), jnp.sum(got)
+
+        (bufs, _, acc), ys = jax.lax.scan(body, ((c,), jnp.int32(0), jnp.float32(0)), None, length=n_layers)
+        return M.where_own(kp, bufs[0], c), acc, ys
+
+    args = (u, start, idx, valid, keep)
+    mapped = jax.vmap(row, in_axes=(1,) + (0,) * 5, out_axes=(1, 0, 0), axis_name="rows")(
+        cache.reshape(n_layers, b, 1, kv, length, hd), *args)
+    shared = jax.jit(jax.vmap(row, in_axes=(None,) + (0,) * 5, out_axes=(None, 0, 0), axis_name="rows"))(cache, *args)
+    assert shared[0].shape == cache.shape
+    np.testing.assert_array_equal(np.asarray(shared[0]), np.asarray(mapped[0]).reshape(cache.shape))
+    for got, want in zip(shared[1:], mapped[1:]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # outside a vmap (a fixed batch) the same functions are the plain slices and updates
+    plain = row(cache, u[:, 0], start[0], idx[:, 0], valid[:, 0], keep[:, 0])
+    np.testing.assert_array_equal(np.asarray(plain[0][:, :1]), np.asarray(shared[0][:, :1]))

@@ -225,26 +225,45 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     return _merge_rows(out, st_axes, b), stats
 
 
-def _reshape_rows(tree, axes_tree, shape_of, spec: Optional[EngineSpec] = None):
+def _reshape_rows(tree, axes_tree, shape_of, spec: Optional[EngineSpec] = None, shared: bool = False):
     """Every leaf reshaped to ``shape_of(leaf, ax)``; the leaves of a policy's own state that it keeps apart
     (declared ``select=False``: Polestar's store, which may live in host memory) through the policy's
-    ``reshape`` hook, where they live (``spec``: None for a tree that holds no policy state, a replay)."""
+    ``reshape`` hook, where they live (``spec``: None for a tree that holds no policy state, a replay);
+    ``shared``: the K/V cache, which the rows share (:func:`_shared_cache`), as it is."""
     own = None if spec is None else policy_for(spec.decoder).own
     plain = lambda a, ax: a.reshape(shape_of(a, ax))
-    if own is None or not isinstance(tree, DecodeState) or tree.policy_state is None:
+    if not isinstance(tree, DecodeState):
         return jax.tree.map(plain, tree, axes_tree)
+    cut = dict(policy_state=None, **(dict(k_cache=None, v_cache=None) if shared else {}))
+    out = jax.tree.map(plain, tree.replace(**cut), axes_tree.replace(**cut))
+    if shared:
+        out = out.replace(k_cache=tree.k_cache, v_cache=tree.v_cache)
+    if own is None or tree.policy_state is None:
+        return out.replace(policy_state=None if tree.policy_state is None else jax.tree.map(
+            plain, tree.policy_state, axes_tree.policy_state))
     kept = lambda a, ax: plain(a, ax) if ax.select else own.reshape(a, shape_of(a, ax), spec)
-    out = jax.tree.map(plain, tree.replace(policy_state=None), axes_tree.replace(policy_state=None))
     return out.replace(policy_state=jax.tree.map(kept, tree.policy_state, axes_tree.policy_state))
 
 
-def _split_rows(tree, axes_tree, b: int, spec: Optional[EngineSpec] = None):
-    """Every leaf's batch axis ``ax`` split into (b, 1), so a per-row function sees a batch of one."""
-    return _reshape_rows(tree, axes_tree, lambda a, ax: a.shape[:ax.batch] + (b, 1) + a.shape[ax.batch + 1:], spec)
+def _shared_cache(in_axes: DecodeState) -> DecodeState:
+    """The per-row ``vmap``'s axes of a state (``in_axes``: each leaf's batch axis) with the K/V cache not
+    mapped: the rows share it, each reading and writing its own entries on the cache's batch axis
+    (:class:`polestar_jax.models.llada.CacheSlot`), so that inside the rows' loops the cache keeps its layer
+    axis first and a layer's K/V is one contiguous slice (a mapped cache has the rows axis first there: each
+    layer's K/V would be copied out before attention reads it)."""
+    return in_axes.replace(k_cache=None, v_cache=None)
 
 
-def _merge_rows(tree, axes_tree, b: int, spec: Optional[EngineSpec] = None):
-    return _reshape_rows(tree, axes_tree, lambda a, ax: a.shape[:ax.batch] + (b,) + a.shape[ax.batch + 2:], spec)
+def _split_rows(tree, axes_tree, b: int, spec: Optional[EngineSpec] = None, shared: bool = False):
+    """Every leaf's batch axis ``ax`` split into (b, 1), so a per-row function sees a batch of one
+    (``shared``: but the K/V cache's)."""
+    return _reshape_rows(tree, axes_tree, lambda a, ax: a.shape[:ax.batch] + (b, 1) + a.shape[ax.batch + 1:], spec,
+                         shared)
+
+
+def _merge_rows(tree, axes_tree, b: int, spec: Optional[EngineSpec] = None, shared: bool = False):
+    return _reshape_rows(tree, axes_tree, lambda a, ax: a.shape[:ax.batch] + (b,) + a.shape[ax.batch + 2:], spec,
+                         shared)
 
 
 def decode_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec):
@@ -267,12 +286,12 @@ def decode_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineS
     def one(s, k, r):
         return row_block(params, s, k, r, spec)
 
-    in_axes = (jax.tree.map(lambda ax: ax.batch, st_axes), knob_axes,
+    in_axes = (_shared_cache(jax.tree.map(lambda ax: ax.batch, st_axes)), knob_axes,
                None if replay is None else jax.tree.map(lambda ax: ax.batch, rp_axes))
     out_st, stats = jax.vmap(one, in_axes=(in_axes[0], in_axes[1], in_axes[2]),
                              out_axes=(in_axes[0], 1), axis_name=ROWS)(
-        _split_rows(state, st_axes, b, spec), knobs,
+        _split_rows(state, st_axes, b, spec, shared=True), knobs,
         None if replay is None else _split_rows(replay, rp_axes, b))
     stats = None if stats is None else jax.tree.map(lambda a: a.reshape(a.shape[:1] + (b,) + a.shape[3:]), stats)
-    return _merge_rows(out_st, st_axes, b, spec), stats
+    return _merge_rows(out_st, st_axes, b, spec, shared=True), stats
 

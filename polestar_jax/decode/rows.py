@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-#: The name of the rows axis of the block program's ``vmap``.
-ROWS = "rows"
+from polestar_jax.axes import ROWS  # noqa: F401 (the rows axis of the block program's vmap; re-exported)
 
 
 def batch_any(pred: jax.Array) -> jax.Array:

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from polestar_jax.axes import ROWS
 from polestar_jax.config import ModelConfig
 from polestar_jax.models.quant import head as _head, matmul as mm, take_rows
 
@@ -81,12 +82,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
     ``key_valid`` [b, L] (bool) hides padded keys. Softmax in float32. Returns [b, H, T, hd] in q.dtype, and
     with ``return_probs`` also the attention probabilities [b, H, T, L] (float32).
     """
-    if not return_probs and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_available():
+    if not return_probs and q.dtype in (jnp.bfloat16, jnp.float16) and fused_pays(q, k) and cudnn_available():
         # a GPU program gets cuDNN's fused attention (no [T, L] score matrix in memory); every other target
         # (the CPU, a TPU) the exact path below. Float32 and the drift's probabilities always take the exact path.
         return lax.platform_dependent(q, k, v, key_valid, cuda=fused_attention,
                                       default=functools.partial(attention_exact, return_probs=False))
     return attention_exact(q, k, v, key_valid, return_probs)
+
+
+def fused_pays(q: jax.Array, k: jax.Array) -> bool:
+    """Whether the fused kernel moves fewer bytes than the exact path for queries ``q`` [b, H, T, hd] over keys
+    ``k`` [b, KV, L, hd]: when the exact path's float32 scores (and their probabilities) of a key outweigh the
+    key's K and V. A full pass (T = L) always; a cached step's block of queries not (LLaDA-8B: T < 128): there
+    the exact path's GEMMs read a layer of the stacked cache in place, while the fused call takes its operands
+    whole, so XLA copies the layer's K and V out first (4x their bytes, more than the scores)."""
+    _, h, t, _ = q.shape
+    _, kv, _, hd = k.shape
+    return h * t * 4 >= 2 * kv * hd * k.dtype.itemsize
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,13 +137,42 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optiona
     """:func:`attention` through ``jax.nn.dot_product_attention`` (``implementation`` "cudnn": flash attention
     on a GPU, bf16 / fp16; "xla" anywhere, for tests): ``q`` [b, H, T, hd], ``k``/``v`` [b, KV, L, hd] (GQA
     as is), ``key_valid`` [b, L] -> [b, H, T, hd]."""
-    # [b, 1, T, L]: cuDNN takes a mask only with both sequence lengths (a [b, 1, 1, L] one fails to trace
-    # wherever T != L: every cached step)
-    b, _, t, _ = q.shape
-    mask = None if key_valid is None else jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, t, k.shape[2]))
-    out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                       mask=mask, implementation=implementation)
-    return out.transpose(0, 2, 1, 3)
+    return _fused_rows(implementation)(q, k, v, key_valid)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_rows(implementation: str):
+    """:func:`fused_attention`'s call, whose ``vmap`` (a running batch's per-row block program) folds the
+    mapped axis into the batch axis: one fused call over every row (JAX's own batching rule of the cuDNN call
+    does not trace a [b, 1, T, L] mask; the rows' batch axes are contiguous, so the fold moves nothing)."""
+
+    @jax.custom_batching.custom_vmap
+    def fused(q, k, v, key_valid):
+        # [b, 1, T, L]: cuDNN takes a mask only with both sequence lengths (a [b, 1, 1, L] one fails to trace
+        # wherever T != L: every cached step)
+        b, _, t, hd = q.shape
+        mask = None if key_valid is None else jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, t, k.shape[2]))
+        if implementation == "cudnn":  # in the heads-first layout the cache has (a transpose copies each K/V)
+            from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+            return cudnn_attention(q, k, v, mask=mask, scale=1.0 / float(hd) ** 0.5,
+                                   qkv_layout="BNTH")
+        out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                           v.transpose(0, 2, 1, 3), mask=mask, implementation=implementation)
+        return out.transpose(0, 2, 1, 3)
+
+    @fused.def_vmap
+    def rows(n, batched, q, k, v, key_valid):
+        # (a mapped argument has the mapped axis first; an unmapped one is the same for every row)
+        lead = lambda a, on: a if on else jnp.broadcast_to(a, (n,) + a.shape)
+        args = [lead(a, on) for a, on in zip((q, k, v), batched[:3])]
+        if key_valid is not None:
+            args.append(lead(key_valid, batched[3]))
+        flat = [a.reshape((-1,) + a.shape[2:]) for a in args]
+        out = fused(*flat, *(() if key_valid is not None else (None,)))
+        return out.reshape((n, -1) + out.shape[1:]), True
+
+    return fused
 
 
 def project_qkv(lp: LayerParams, h: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -245,49 +286,173 @@ def layer(
 
 class CacheSlot(NamedTuple):
     """Every layer's K/V buffers (``buffers``: a pytree of [N, ...] arrays, the K/V cache [N, b, KV, L, hd])
-    and the layer ``i`` a :func:`layer_scan` step is at."""
+    and the layer ``i`` a :func:`layer_scan` step is at.
+
+    The buffers may be *shared by the rows* of a running batch's per-row program (a ``vmap`` over rows,
+    :func:`polestar_jax.decode.block.decode_block`): not mapped, every row's entries on their batch axis
+    (axis 1: the rows' own batches one after the other). Every read and write here takes the calling row's
+    own entries (:func:`own_rows`, :func:`put_own`), so that inside the per-row loops the buffers keep their
+    layer axis first; a mapped buffer has the rows axis first there, and a layer's slice is strided (copied
+    before attention reads it). Outside a ``vmap`` (a fixed batch) these are the plain slices and updates."""
 
     buffers: Any
     i: jax.Array  # [] int32
 
     def layer(self) -> Any:
         """Layer ``i``'s buffers (each [...] without the layer axis)."""
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, self.i, 0, keepdims=False), self.buffers)
+        return jax.tree.map(lambda a: own_rows(lax.dynamic_index_in_dim(a, self.i, 0, keepdims=False)),
+                            self.buffers)
 
     def put_layer(self, new: Any) -> "CacheSlot":
         """The slot with layer ``i``'s buffers replaced by ``new`` (whole)."""
         return self._replace(buffers=jax.tree.map(
-            lambda a, u: lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), self.i, 0), self.buffers, new))
+            lambda a, u: put_own(_put_layer, a, u.astype(a.dtype), self.i), self.buffers, new))
 
     def rows(self, start: Any, t: int, axis: int) -> Any:
         """Entries ``[start, start + t)`` along ``axis`` (of a layer's buffer) of layer ``i``'s buffers."""
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(
-            lax.dynamic_slice_in_dim(a, start, t, axis=axis + 1), self.i, 0, keepdims=False), self.buffers)
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, t, axis=axis), self.layer())
 
     def put_rows(self, new: Any, start: Any, axis: int) -> "CacheSlot":
         """The slot with ``new`` written at ``[start, start + T)`` along ``axis`` of layer ``i``'s buffers, in
         place: only the rows move (a whole-layer copy would move the layer's cache twice per layer)."""
-
-        def put(a, u):
-            idx = [jnp.int32(0)] * a.ndim
-            idx[0], idx[axis + 1] = self.i, jnp.asarray(start, jnp.int32)
-            return lax.dynamic_update_slice(a, u.astype(a.dtype)[None], idx)
-
-        return self._replace(buffers=jax.tree.map(put, self.buffers, new))
+        return self._replace(buffers=jax.tree.map(lambda a, u: put_own(
+            _put_rows, a, u.astype(a.dtype), self.i, jnp.asarray(start, jnp.int32), axis=axis), self.buffers, new))
 
     def scatter_rows(self, new: Any, idx: jax.Array, valid: jax.Array, axis: int) -> "CacheSlot":
         """The slot with ``new``'s rows (each [b, ..., C, ...], C along ``axis``) written at positions ``idx``
         [b, C] along ``axis`` of layer ``i``'s buffers (each [b, ..., L, ...]) where ``valid``, in place
         (invalid or out-of-range positions are dropped: ``kernels.refresh.scatter_kv_rows_reference``'s
         rule): only the rows move, where a whole-layer copy would move the layer's cache twice."""
+        return self._replace(buffers=jax.tree.map(lambda a, u: put_own(
+            _scatter_rows, a, u.astype(a.dtype), self.i, idx, valid, axis=axis), self.buffers, new))
 
-        def put(a, u):
-            length = a.shape[axis + 1]
-            widx = jnp.where(valid & (idx >= 0), idx, length).astype(jnp.int32)
-            at = (self.i, jnp.arange(a.shape[1])[:, None]) + (slice(None),) * (axis - 1) + (widx,)
-            return a.at[at].set(jnp.moveaxis(u.astype(a.dtype), axis, 1), mode="drop")
 
-        return self._replace(buffers=jax.tree.map(put, self.buffers, new))
+def _put_layer(a, u, i, axis: int = 0):
+    """Layer ``i`` of ``a`` [N, b, ...] replaced by ``u`` [b, ...]."""
+    return lax.dynamic_update_index_in_dim(a, u, i, 0)
+
+
+def _put_rows(a, u, i, start, axis: int):
+    """``u`` [b, ..., T, ...] written at ``[start, start + T)`` along ``axis`` of layer ``i`` of ``a`` [N, b,
+    ...]; a ``start`` per row ([b]: the rows of a shared buffer) makes it a row scatter."""
+    if jnp.ndim(start) == 0:
+        idx = [jnp.int32(0)] * a.ndim
+        idx[0], idx[axis + 1] = i, start
+        return lax.dynamic_update_slice(a, u[None], idx)
+    pos = start[:, None] + jnp.arange(u.shape[axis], dtype=jnp.int32)
+    return _scatter_rows(a, u, i, pos, jnp.ones(pos.shape, bool), axis)
+
+
+def _scatter_rows(a, u, i, idx, valid, axis: int):
+    """``u``'s rows [b, ..., C, ...] written at positions ``idx`` [b, C] along ``axis`` of layer ``i`` of
+    ``a`` [N, b, ..., L, ...] where ``valid`` (invalid or out-of-range positions dropped)."""
+    length = a.shape[axis + 1]
+    widx = jnp.where(valid & (idx >= 0), idx, length).astype(jnp.int32)
+    at = (i, jnp.arange(a.shape[1])[:, None]) + (slice(None),) * (axis - 1) + (widx,)
+    return a.at[at].set(jnp.moveaxis(u, axis, 1), mode="drop")
+
+
+def _rows_axis() -> Optional[tuple[jax.Array, int]]:
+    """(this row's index, the number of rows) of the rows ``vmap`` (:data:`polestar_jax.axes.ROWS`), or None
+    outside it."""
+    try:
+        return lax.axis_index(ROWS), lax.axis_size(ROWS)
+    except NameError:
+        return None
+
+
+def own_rows(a: jax.Array) -> jax.Array:
+    """A layer's buffer [b, ...] as the calling row sees it: itself; under the rows ``vmap`` of a running
+    batch (:data:`polestar_jax.axes.ROWS`) a buffer shared by the rows ([n * b, ...], not mapped) is split
+    into the rows' own [b, ...] (a reshape: no data moves). See :class:`CacheSlot`."""
+    rows = _rows_axis()
+    # (the block program's rows each hold a batch of one: a buffer of n entries is the rows' shared one)
+    return a if rows is None or a.shape[0] != rows[1] else _own_rows(a, rows[0])
+
+
+@jax.custom_batching.custom_vmap
+def _own_rows(a, row):
+    n = lax.axis_size(ROWS)  # (each row's value: its own entries; the vmap rule below gives them all at once)
+    return lax.dynamic_index_in_dim(a.reshape((n, a.shape[0] // n) + a.shape[1:]), row, 0, keepdims=False)
+
+
+@_own_rows.def_vmap
+def _own_rows_vmap(n, batched, a, row):
+    return (a if batched[0] else a.reshape((n, a.shape[0] // n) + a.shape[1:])), True
+
+
+def _at_own(a: jax.Array, b: int, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``a`` [N, n * b, ...] shared by the rows with ``fn`` applied to the calling row's entries [N, b, ...]."""
+    at = _rows_axis()[0] * b
+    return lax.dynamic_update_slice_in_dim(a, fn(lax.dynamic_slice_in_dim(a, at, b, axis=1)), at, axis=1)
+
+
+def put_own(write: Callable, a: jax.Array, u: jax.Array, i: jax.Array, *rows: jax.Array, axis: int = 0) -> jax.Array:
+    """``write(a, u, i, *rows, axis=axis)``: ``a`` [N, b, ...] with the calling row's entries at layer ``i``
+    written from ``u`` [b, ...] (``rows``: per-row arguments, [] or with a leading [b] axis). Under the rows
+    ``vmap`` of a running batch a buffer shared by the rows ([N, n * b, ...], not mapped) takes every row's
+    entries in one write and stays shared (the rows' arguments folded into its batch axis; a per-row scalar
+    becomes one per entry). See :class:`CacheSlot`."""
+    if not _shared(a, u.shape[0]):
+        return write(a, u, i, *rows, axis=axis)
+    return _put_own(write, axis)(a, u, i, *rows)
+
+
+def _shared(a: jax.Array, b: int) -> bool:
+    """Whether ``a`` [N, B, ...] may be a buffer shared by the rows of the rows ``vmap``, each with a batch of
+    ``b`` (with one row, whether it is or not is for the ``vmap`` rule to see)."""
+    rows = _rows_axis()
+    return rows is not None and a.shape[1] == rows[1] * b
+
+
+@functools.lru_cache(maxsize=None)
+def _put_own(write: Callable, axis: int):
+    plain = functools.partial(write, axis=axis)
+
+    @jax.custom_batching.custom_vmap
+    def put(a, u, i, *rows):  # (each row's value: its own entries written; the rule below writes them all)
+        return _at_own(a, u.shape[0], lambda sub: plain(sub, u, i, *rows))
+
+    @put.def_vmap
+    def rule(n, batched, a, u, i, *rows):
+        if batched[0] or batched[2]:  # a buffer of each row's own (or a layer per row): each row writes its own
+            return jax.vmap(plain, in_axes=[0 if on else None for on in batched])(a, u, i, *rows), True
+        lead = a.shape[1] // n  # each row's entries
+
+        def fold(x, on):
+            if not on:
+                if jnp.ndim(x) == 0:  # the same for every row
+                    return x
+                x = jnp.broadcast_to(x, (n,) + jnp.shape(x))
+            return jnp.repeat(x, lead) if x.ndim == 1 else x.reshape((n * x.shape[1],) + x.shape[2:])
+
+        return plain(a, fold(u, batched[1]), i, *[fold(x, on) for x, on in zip(rows, batched[3:])]), False
+
+    return put
+
+
+def where_own(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    """Per batch row of stacked buffers ``new`` / ``old`` [N, b, ...]: ``new`` where ``pred`` [b], else ``old``;
+    under the rows ``vmap`` of a running batch, buffers shared by the rows stay shared (see :class:`CacheSlot`)."""
+    return _where_own(pred, new, old) if _shared(new, pred.shape[0]) else _where_rows(pred, new, old)
+
+
+def _where_rows(pred, new, old):
+    return jnp.where(pred.reshape((1, -1) + (1,) * (new.ndim - 2)), new, old)
+
+
+@jax.custom_batching.custom_vmap
+def _where_own(pred, new, old):
+    return _at_own(old, pred.shape[0], lambda sub: _where_rows(
+        pred, lax.dynamic_slice_in_dim(new, _rows_axis()[0] * pred.shape[0], pred.shape[0], axis=1), sub))
+
+
+@_where_own.def_vmap
+def _where_own_vmap(n, batched, pred, new, old):
+    if batched[1] or batched[2]:  # buffers of each row's own
+        return jax.vmap(_where_rows, in_axes=[0 if on else None for on in batched])(pred, new, old), True
+    flat = (pred if batched[0] else jnp.broadcast_to(pred, (n,) + pred.shape)).reshape(-1)
+    return _where_rows(flat, new, old), False
 
 
 class SlotWrite:

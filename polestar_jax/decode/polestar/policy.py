@@ -27,6 +27,7 @@ from polestar_jax.decode.commit import Prediction, commit_threshold, gumbel_nois
 from polestar_jax.decode.polestar.draws import at_forward, block_start_draws
 from polestar_jax.decode.polestar.drift import drift_delta, push_history
 from polestar_jax.models.family import family_of
+from polestar_jax.models.llada import where_own
 from polestar_jax.decode.polestar.start import cluster_layers, start_pass
 from polestar_jax.decode.polestar.state import POLESTAR_STATE, geometry, rows_at
 from polestar_jax.decode.polestar.step import StepForwardOut, step_layers, step_tail
@@ -139,7 +140,7 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
                         start=ctx.cs, count=jnp.ones_like(active))
     # a row whose block has no mask left (pre-committed whole) skips the block: its start never happened, its
     # cache included (once a block: the decode steps write K/V for their active rows only)
-    keep = lambda n, o: jnp.where(active[None, :, None, None, None], n, o)
+    keep = lambda n, o: where_own(active, n, o)  # (a running batch's rows share the cache: CacheSlot)
     new = new.replace(k_cache=keep(new.k_cache, state.k_cache), v_cache=keep(new.v_cache, state.v_cache))
     return select_rows(active, new, state)
 

@@ -16,7 +16,7 @@ from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.decode.polestar.drift import proxy_attention
 from polestar_jax.models.family import family_of
 from polestar_jax.kernels.refresh import scatter_kv_rows
-from polestar_jax.models.llada import Rope, attention_exact, layer_scan
+from polestar_jax.models.llada import Rope, attention_exact, layer_scan, own_rows
 from polestar_jax.decode.polestar.state import Geometry, rows_at
 from polestar_jax.decode.state import DecodeState
 
@@ -136,6 +136,7 @@ def cluster_layers(params, out: PassOut, state: DecodeState, geo: Geometry, cfg:
 
     def layer(_, xs):
         lp, hs, k, d_pre, d_suf = xs
+        k = own_rows(k)  # (a running batch's rows share the cache: llada.CacheSlot)
         cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
                                                                     pc.kmeans_iters))(
             hs[:, :pre], geo.pre_len, hs[:, pre:], geo.suf_len, d_pre, d_suf)
