@@ -40,10 +40,11 @@ file keeps every run's provenance).
 Columns (``--json FILE``: a list of rows; the run's date, command, versions and load beside it, FILE's
 name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``weights``, ``kernels``, ``compile_seconds``,
 ``per_device_bytes`` (XLA's memory analysis of the compiled program: arguments + outputs - aliased +
-temporaries, per chip), ``hbm_bytes`` (one chip's HBM), ``fits``, ``mosaic_kernels`` (the
+temporaries, per chip; the parts as ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
+``host_bytes``: :func:`memory_parts`), ``hbm_bytes`` (one chip's HBM), ``fits``, ``mosaic_kernels`` (the
 ``tpu_custom_call``\\ s of the optimized HLO). A program XLA refuses for want of HBM
 (``CompileTimeHbmOom``) is a row with ``fits: false``, ``per_device_bytes`` the bytes the compiler said it
-needs and ``left_out`` the reason: it was not compiled for that target, and the table says so. Nothing runs
+needs, ``oom`` the start of XLA's message and ``left_out`` the reason: it was not compiled for that target, and the table says so. Nothing runs
 on a TPU.
 """
 from __future__ import annotations
@@ -204,10 +205,23 @@ def compile_block(engine, name: str, kernels: str, batch: Optional[int] = None):
     return prog, time.perf_counter() - t0
 
 
-def per_device_bytes(compiled) -> int:
-    """XLA's memory analysis of a compiled program: what one chip holds while it runs."""
+def memory_parts(compiled) -> dict:
+    """XLA's memory analysis of a compiled program, per chip: ``argument_bytes`` (parameters and the state
+    going in), ``output_bytes`` (the state coming out and the statistics), ``alias_bytes`` (outputs written
+    into donated arguments' buffers), ``temp_bytes`` (the program's temporaries) and ``host_bytes`` (the
+    arguments, outputs and temporaries in the chip's host memory, ``pinned_host``: not counted in HBM)."""
     m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+    return {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
+            "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+            "host_bytes": int(getattr(m, "host_argument_size_in_bytes", 0) + getattr(m, "host_output_size_in_bytes", 0)
+                              - getattr(m, "host_alias_size_in_bytes", 0) + getattr(m, "host_temp_size_in_bytes", 0))}
+
+
+def per_device_bytes(compiled) -> int:
+    """XLA's memory analysis of a compiled program: what one chip's HBM holds while it runs (arguments +
+    outputs - aliased + temporaries, :func:`memory_parts`)."""
+    p = memory_parts(compiled)
+    return p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"] + p["temp_bytes"]
 
 
 def oom_bytes(message: str) -> Optional[int]:
@@ -233,10 +247,11 @@ def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto", 
         if need is None:
             raise
         row.update(compile_seconds=round(time.perf_counter() - t0, 2), per_device_bytes=need, fits=False,
-                   mosaic_kernels=None, left_out=f"needs {need / GIB:.2f} GiB of HBM temporaries on one chip "
+                   mosaic_kernels=None, oom=" ".join(str(e).split())[:400], left_out=f"needs {need / GIB:.2f} GiB of HBM temporaries on one chip "
                    f"(XLA: CompileTimeHbmOom), the chip has {target.hbm_bytes / GIB:g} GiB")
         return row
     used = per_device_bytes(prog)
+    row.update(memory_parts(prog))
     row.update(compile_seconds=round(seconds, 2), per_device_bytes=used, fits=used <= target.hbm_bytes,
                mosaic_kernels=prog.as_text().count(_CALL))
     return row

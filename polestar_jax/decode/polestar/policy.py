@@ -27,7 +27,6 @@ from polestar_jax.decode.commit import Prediction, commit_threshold, gumbel_nois
 from polestar_jax.decode.polestar.draws import at_forward, block_start_draws
 from polestar_jax.decode.polestar.drift import drift_delta, push_history
 from polestar_jax.models.family import family_of
-from polestar_jax.models.llada import where_own
 from polestar_jax.decode.polestar.start import cluster_layers, start_pass
 from polestar_jax.decode.polestar.state import POLESTAR_STATE, geometry, rows_at
 from polestar_jax.decode.polestar.step import StepForwardOut, step_layers, step_tail
@@ -109,7 +108,12 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
         geo_w = geometry(state, ctx.cs, block, pc, window=pc.pass_window(block, True))
         geo = jax.tree.map(lambda w, f: jnp.where(windowed, w, f), geo_w, geo)
     draws = block_start_draws(state, geo, ctx.cfg, pc, block, ctx.replay)
-    run = lambda w: (lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, w, spec.unroll))
+    masked = ctx.masked(state)
+    active = jnp.any(masked, axis=1)
+    # a row whose block has no mask left (pre-committed whole) skips the block: its start never happens, its
+    # cache included (the pass leaves that row's K/V as they are, in place; once a block: the decode steps
+    # write K/V for their active rows only)
+    run = lambda w: (lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, w, spec.unroll, skip=~active))
     if not pc.windowed_period:
         out = run(False)()
     elif not spec.per_row:  # every row at the same block: one pass or the other
@@ -118,12 +122,11 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
         # one; else one full-length pass in which the windowed rows keep their cached K/V outside their window
         # (their window rows compute what the windowed pass computes: one pass, not two, for a mixed batch)
         only_w = ~batch_any(~windowed & ctx.live)
-        mixed = lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, False, spec.unroll, keep=windowed)
+        mixed = lambda: start_pass(ctx.params, state, geo, ctx.cfg, pc, block, False, spec.unroll, keep=windowed,
+                                   skip=~active)
         out = lax.cond(only_w, run(True), mixed)
     out = cluster_layers(ctx.params, out, state, geo, ctx.cfg, pc, block, draws, spec.unroll)
     pol = state.policy_state
-    masked = ctx.masked(state)
-    active = jnp.any(masked, axis=1)
     pred = _predict(ctx, state, out.logits, masked)
     transfer = commit_threshold(pred.conf, masked, ctx.knobs.threshold) & active[:, None]
     bi = ctx.block_idx
@@ -138,10 +141,6 @@ def start(ctx: BlockCtx, state: DecodeState) -> DecodeState:
     # (the windowed pass keeps the K/V outside the window; the refresh rows are all inside it)
     new = write_commits(state.replace(k_cache=out.k, v_cache=out.v, policy_state=new_pol), transfer, pred.x0,
                         start=ctx.cs, count=jnp.ones_like(active))
-    # a row whose block has no mask left (pre-committed whole) skips the block: its start never happened, its
-    # cache included (once a block: the decode steps write K/V for their active rows only)
-    keep = lambda n, o: where_own(active, n, o)  # (a running batch's rows share the cache: CacheSlot)
-    new = new.replace(k_cache=keep(new.k_cache, state.k_cache), v_cache=keep(new.v_cache, state.v_cache))
     return select_rows(active, new, state)
 
 

@@ -84,19 +84,27 @@ def kept_outside_window(state: DecodeState, geo: Geometry, pc: PolestarConfig, b
 
 
 def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
-               windowed: bool, unroll: int | bool = 1, keep=None) -> PassOut:
+               windowed: bool, unroll: int | bool = 1, keep=None, skip=None) -> PassOut:
     """The block-start forward: full sequence (``windowed=False``) or the window only (``windowed=True``,
     keys outside the window stay as cached). Its window rows are clustered afterwards
     (:func:`cluster_layers`), once for both kinds of pass.
 
     ``keep`` ([b] or [] bool, full passes only): rows that take a windowed start inside this full-length
     pass: their K/V outside the window stay as cached, so their window rows compute what the windowed
-    pass computes (a running batch whose rows need both kinds runs this one pass instead of two)."""
+    pass computes (a running batch whose rows need both kinds runs this one pass instead of two).
+
+    ``skip`` ([b] bool): rows whose K/V cache the pass leaves as it is (a row whose block start does not
+    happen: their other outputs are dropped by the caller). Kept inside each layer's write, the cache is
+    updated in place; a select of the whole new cache against the old one after the pass would keep both
+    alive (a second K/V cache in the program's temporaries)."""
     b, length = state.x.shape
     rows = pass_rows(state, geo, pc, block, windowed)
     fam = family_of(cfg)
     q_rope, k_rope = Rope.at(rows.q_pos, cfg), Rope.at(state.pos, cfg)
     kept = None if keep is None else kept_outside_window(state, geo, pc, block, keep)[:, None, :, None]
+    if skip is not None and not windowed:
+        kept = (skip[:, None, None, None] if kept is None else kept | skip[:, None, None, None])
+    write_valid = rows.write_valid if skip is None else rows.write_valid & ~skip[:, None]
 
     def layer(carry, lp, slot):
         h, _ = carry
@@ -107,8 +115,8 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
             write = lambda k, v: (jnp.where(kept, kv[0], k), jnp.where(kept, kv[1], v))
         if windowed:
             # (the K/V cache rides in the scan's carry: model.layer_scan)
-            write = lambda k, v: (scatter_kv_rows(kv[0], k, rows.write_idx, rows.write_valid, backend=pc.kernels),
-                                  scatter_kv_rows(kv[1], v, rows.write_idx, rows.write_valid, backend=pc.kernels))
+            write = lambda k, v: (scatter_kv_rows(kv[0], k, rows.write_idx, write_valid, backend=pc.kernels),
+                                  scatter_kv_rows(kv[1], v, rows.write_idx, write_valid, backend=pc.kernels))
         # (no [T, L] probabilities: the pass's attention is the one a plain forward runs, fused where the
         # platform has it; the drift needs the block rows' only, computed as the exact path computes them)
         out = fam.layer(lp, h, cfg, q_rope, k_rope, state.key_valid, write=write)
