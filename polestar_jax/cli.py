@@ -74,8 +74,7 @@ def run_main(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequen
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             result["exc"] = e
 
-    t = threading.Thread(target=work, name="polestar-main", daemon=True)
-    t.start()
+    t = _start_worker(work)
     try:
         while t.is_alive():
             t.join(0.05)
@@ -87,6 +86,30 @@ def run_main(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequen
     if "exc" in result:
         raise result["exc"]
     return result.get("rc", EXIT_FAILED)
+
+
+_WORK_STACK_BYTES = 64 << 20  # address space: pages are only touched as the stack grows
+
+
+def _start_worker(target: Callable[[], None]) -> threading.Thread:
+    """Starts the command's worker thread with a 64 MiB stack: XLA compiles, and serializes what it compiled
+    for the persistent cache, on the calling thread, recursing in C++, and a secondary thread gets the
+    platform's default stack (8 MiB with glibc and the usual ``ulimit -s``, less elsewhere). Where a
+    thread of that size cannot start, the default size is used."""
+    try:
+        return _start_thread(target, _WORK_STACK_BYTES)
+    except (ValueError, RuntimeError):  # no such stack size here, or no room for it
+        return _start_thread(target, 0)
+
+
+def _start_thread(target: Callable[[], None], stack_bytes: int) -> threading.Thread:
+    previous = threading.stack_size(stack_bytes)  # (applies to the threads started while it is set)
+    try:
+        t = threading.Thread(target=target, name="polestar-main", daemon=True)
+        t.start()
+        return t
+    finally:
+        threading.stack_size(previous)
 
 
 def report_errors(fn: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:

@@ -404,7 +404,8 @@ def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc:
     h_blk0 = fam.embed(params, rows_at(state.x, geo.cs + jnp.arange(block)))
     dt = h_blk0.dtype
     carry0 = Carry(h_blk0, jnp.zeros((b, pre + suf, cfg.d_model), dt), jnp.zeros((b, pre + suf), bool),
-                   jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), dt), jnp.zeros((b,) + state.k_cache.shape[2:], state.k_cache.dtype))
+                   jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), dt),
+                   jnp.zeros((b,) + state.k_cache.shape[2:], state.k_cache.dtype))
     if forced is None:
         forced = (jnp.zeros((n_layers, b, pc.n_clusters), bool), jnp.zeros((n_layers, b), bool))
     # the store enters the layer scan only when it is read (a step without refresh leaves it where it is): in
