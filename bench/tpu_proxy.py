@@ -31,14 +31,17 @@ the engine lowers its programs under the mesh and :mod:`kernels.backend` wraps e
 (:mod:`polestar_jax.models.quant`; LLaDA-8B's 14.9 GiB of weights become 7.5 GiB); every row says its
 ``weights``. ``--fit-batch``: a batched program left out for want of HBM gets ``largest_fitting_batch``, the
 largest batch below its own that compiles and fits (predicted from XLA's bytes, compiled, and the batch above
-it shown not to fit; :func:`fit_batch`).
+it shown not to fit; :func:`fit_batch`). ``--kv-cache int8`` stores the dual cache's K/V as int8 with a bf16
+scale per cached row and KV head (:mod:`polestar_jax.models.kv_quant`; ``DecodeConfig.kv_cache``); the
+``block_dual_*`` rows take it (the other decoders keep their caches in bf16 and their rows say ``float``);
+every row says its ``kv_cache``.
 
 ``--resume`` keeps the rows of an earlier ``--json FILE`` and compiles only the (program, target) pairs it
-lacks (keyed by program, target and weights; a long matrix on a busy machine, in several runs; the meta
+lacks (keyed by program, target, weights and K/V cache; a long matrix on a busy machine, in several runs; the meta
 file keeps every run's provenance).
 
 Columns (``--json FILE``: a list of rows; the run's date, command, versions and load beside it, FILE's
-name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``weights``, ``kernels``, ``compile_seconds``,
+name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``weights``, ``kv_cache``, ``kernels``, ``compile_seconds``,
 ``per_device_bytes`` (XLA's memory analysis of the compiled program: arguments + outputs - aliased +
 temporaries, per chip; the parts as ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
 ``host_bytes``: :func:`memory_parts`), ``hbm_bytes`` (one chip's HBM), ``fits``, ``mosaic_kernels`` (the
@@ -152,9 +155,15 @@ def model_config(layers: Optional[int], smoke: bool):
                                max_sequence_length=max(cfg.max_sequence_length, PROMPT + GEN))
 
 
-def decode_config(decoder: str, cfg, kernels: str):
-    """The decode config of ``block_<decoder>_*``: LLaDA's sampler, the dual cache (threshold 0.9) or
-    Polestar (the family's knobs, ``kernels``)."""
+def kv_cache_of(program: str, kv_cache: str) -> str:
+    """The K/V cache storage program ``program`` compiles with when ``--kv-cache`` is ``kv_cache``: the dual
+    cache's programs take it, the others keep ``float`` (``DecodeConfig.kv_cache`` applies to fastdllm)."""
+    return kv_cache if _block_name(program)[0] == "dual" else "float"
+
+
+def decode_config(decoder: str, cfg, kernels: str, kv_cache: str = "float"):
+    """The decode config of ``block_<decoder>_*``: LLaDA's sampler, the dual cache (threshold 0.9, its K/V
+    stored as ``kv_cache``) or Polestar (the family's knobs, ``kernels``)."""
     from polestar_jax.config import DecodeConfig
     from polestar_jax.models.family import FAMILIES
 
@@ -163,7 +172,8 @@ def decode_config(decoder: str, cfg, kernels: str):
     if decoder == "polestar":
         return DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK, threshold=0.9,
                             polestar=FAMILIES[cfg.family].polestar_config(kernels=kernels))
-    return DecodeConfig(decoder="fastdllm", cache="dual", gen_length=GEN, block_length=BLOCK, threshold=0.9)
+    return DecodeConfig(decoder="fastdllm", cache="dual", gen_length=GEN, block_length=BLOCK, threshold=0.9,
+                        kv_cache=kv_cache)
 
 
 def make_engine(cfg, mesh, weights: str = "bfloat16"):
@@ -183,9 +193,9 @@ def make_engine(cfg, mesh, weights: str = "bfloat16"):
     return Engine(params, cfg, mesh=mesh)
 
 
-def compile_block(engine, name: str, kernels: str, batch: Optional[int] = None):
+def compile_block(engine, name: str, kernels: str, batch: Optional[int] = None, kv_cache: str = "float"):
     """Program ``name`` compiled by ``engine`` (:meth:`Engine.block_program`): ``(compiled, seconds)``;
-    ``batch``: another batch than the name's (:func:`fit_batch`)."""
+    ``batch``: another batch than the name's (:func:`fit_batch`); ``kv_cache``: the dual cache's storage."""
     import jax.numpy as jnp  # noqa: F401  (jax is imported by now)
 
     from polestar_jax.engine.engine import running_spec
@@ -193,7 +203,7 @@ def compile_block(engine, name: str, kernels: str, batch: Optional[int] = None):
 
     decoder, named, running = _block_name(name)
     batch = batch or named
-    dcfg = decode_config(decoder, engine.config, kernels)
+    dcfg = decode_config(decoder, engine.config, kernels, kv_cache)
     spec = running_spec(engine, dcfg, batch, sampling=True) if running else engine.spec(dcfg)
     state = engine.initial_state([[5] * PROMPT] * batch, dcfg, PROMPT, 0, None, None, abstract=True)
     import jax
@@ -233,15 +243,16 @@ def oom_bytes(message: str) -> Optional[int]:
 
 
 def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto", weights: str = "bfloat16",
-                batch: Optional[int] = None) -> dict:
+                batch: Optional[int] = None, kv_cache: str = "float") -> dict:
     """The row of program ``name`` on ``target`` (see the module docstring); ``batch``: compiled at another
-    batch than the name's."""
+    batch than the name's; ``kv_cache``: ``--kv-cache`` (:func:`kv_cache_of`)."""
+    kv_cache = kv_cache_of(name, kv_cache)
     row: dict[str, Any] = {"program": name, "target": target.name, "mesh": mesh_text(mesh),
                            "kernels": kernels if name.startswith("block_polestar") else "none",
-                           "weights": weights, "hbm_bytes": target.hbm_bytes}
+                           "weights": weights, "kv_cache": kv_cache, "hbm_bytes": target.hbm_bytes}
     t0 = time.perf_counter()
     try:
-        prog, seconds = compile_block(engine, name, kernels, batch)
+        prog, seconds = compile_block(engine, name, kernels, batch, kv_cache)
     except Exception as e:  # noqa: BLE001 - a program XLA refuses for want of HBM is a row that says so
         need = oom_bytes(str(e))
         if need is None:
@@ -258,7 +269,7 @@ def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto", 
 
 
 def fit_batch(engine, name: str, target: Target, mesh, row: dict, weights: str, most_probes: int = 5,
-              log: Callable[[str], None] = _log) -> Optional[dict]:
+              log: Callable[[str], None] = _log, kv_cache: str = "float") -> Optional[dict]:
     """For a batched program left out for want of HBM (``row``), the largest batch below the name's that
     compiles and fits: a batch predicted from the bytes XLA reports (linear in the batch), compiled, then
     the next batch up compiled to show it does not fit. ``{"batch", "per_device_bytes", "compile_seconds",
@@ -269,7 +280,7 @@ def fit_batch(engine, name: str, target: Target, mesh, row: dict, weights: str, 
     def probe(b: int) -> dict:
         if b not in probes:
             log(f"  fit search: batch {b} ...")
-            probes[b] = compile_row(engine, name, target, mesh, weights=weights, batch=b)
+            probes[b] = compile_row(engine, name, target, mesh, weights=weights, batch=b, kv_cache=kv_cache)
             engine.clear()
         return probes[b]
 
@@ -292,9 +303,10 @@ def fit_batch(engine, name: str, target: Target, mesh, row: dict, weights: str, 
 
 def run(targets: list[str], programs: list[str], layers: Optional[int] = None, smoke: bool = False,
         log: Callable[[str], None] = _log, done: Callable[[list], None] = lambda rows: None,
-        rows: Optional[list[dict]] = None, weights: str = "bfloat16", fit: bool = False) -> list[dict]:
-    """Compiles ``programs`` for each of ``targets`` with ``weights`` (the (program, target, weights) rows
-    ``rows`` already holds are kept, not compiled again); a program that fails otherwise is a row with its
+        rows: Optional[list[dict]] = None, weights: str = "bfloat16", fit: bool = False,
+        kv_cache: str = "float") -> list[dict]:
+    """Compiles ``programs`` for each of ``targets`` with ``weights`` and ``kv_cache`` (the (program, target,
+    weights, K/V cache) rows ``rows`` already holds are kept, not compiled again); a program that fails otherwise is a row with its
     ``error`` (one line). ``fit``: a batched program left out for want of HBM gets its largest fitting
     batch (:func:`fit_batch`, key ``largest_fitting_batch``). ``done(rows)`` is called after each row (the
     rows so far, in target, program, weights order)."""
@@ -302,29 +314,33 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
 
     jax.config.update("jax_enable_compilation_cache", False)  # (every program compiles here)
     cfg = model_config(layers, smoke)
-    rows = [dict(r, weights=r.get("weights", "bfloat16")) for r in rows or []]  # (rows before int8: bf16)
-    have = {(r["program"], r["target"], r["weights"]) for r in rows if "error" not in r}
-    rows = [r for r in rows if (r["program"], r["target"], r["weights"]) in have and "error" not in r]
-    order = lambda r: (list(TARGETS).index(r["target"]), PROGRAMS.index(r["program"]), r["weights"])
+    # (rows before int8 weights: bf16; before the int8 K/V cache: float)
+    rows = [dict(r, weights=r.get("weights", "bfloat16"), kv_cache=r.get("kv_cache", "float")) for r in rows or []]
+    key = lambda r: (r["program"], r["target"], r["weights"], r["kv_cache"])
+    have = {key(r) for r in rows if "error" not in r}
+    rows = [r for r in rows if key(r) in have and "error" not in r]
+    order = lambda r: (list(TARGETS).index(r["target"]), PROGRAMS.index(r["program"]), r["weights"], r["kv_cache"])
     for target in targets:
-        todo = [name for name in programs if (name, target, weights) not in have]
+        todo = [name for name in programs if (name, target, weights, kv_cache_of(name, kv_cache)) not in have]
         if not todo:
             continue
         mesh = topology_mesh(target)
         engine = make_engine(cfg, mesh, weights)
         for name in todo:
-            log(f"[tpu_proxy] {name} on {target} ({mesh_text(mesh)}, {cfg.n_layers} layers, {weights} weights) ...")
+            log(f"[tpu_proxy] {name} on {target} ({mesh_text(mesh)}, {cfg.n_layers} layers, {weights} weights, "
+                f"{kv_cache_of(name, kv_cache)} K/V cache) ...")
             try:
-                row = compile_row(engine, name, TARGETS[target], mesh, weights=weights)
+                row = compile_row(engine, name, TARGETS[target], mesh, weights=weights, kv_cache=kv_cache)
                 engine.clear()
                 if fit and "left_out" in row and _block_name(name)[1] > 1:
-                    row["largest_fitting_batch"] = fit_batch(engine, name, TARGETS[target], mesh, row, weights)
+                    row["largest_fitting_batch"] = fit_batch(engine, name, TARGETS[target], mesh, row, weights,
+                                                             kv_cache=kv_cache)
                 log(f"  {row['per_device_bytes'] / GIB:.2f} GiB per chip of {row['hbm_bytes'] / GIB:g}, "
                     f"{row['mosaic_kernels']} Mosaic kernels, {row['compile_seconds']} s"
                     + (f"; left out: {row['left_out']}" if "left_out" in row else ""))
             except Exception as e:  # noqa: BLE001 - record it and go on with the other programs
                 row = {"program": name, "target": target, "mesh": mesh_text(mesh), "weights": weights,
-                       "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+                       "kv_cache": kv_cache_of(name, kv_cache), "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
                 log(f"  error: {row['error']}")
             row["layers"] = cfg.n_layers
             rows.append(row)
@@ -339,7 +355,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| program | target | mesh | weights | kernels | compile s | GiB per chip | HBM GiB | fits | Mosaic kernels |",
              "|---|---|---|---|---|---:|---:|---:|---|---:|"]
     for r in rows:
-        head = f"| {r['program']} | {r['target']} | {r['mesh']} | {r.get('weights', 'bfloat16')} |"
+        kv = ", int8 K/V" if r.get("kv_cache", "float") != "float" else ""
+        head = f"| {r['program']} | {r['target']} | {r['mesh']} | {r.get('weights', 'bfloat16')}{kv} |"
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:80]} | | | | | |")
         elif "left_out" in r:
@@ -384,6 +401,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--weights", default="bfloat16", choices=["bfloat16", "int8"],
                     help="the parameters: bfloat16, or int8 matmul weights with a bf16 scale per output channel "
                     "(polestar_jax.models.quant); each row says which")
+    ap.add_argument("--kv-cache", default="float", choices=["float", "int8"],
+                    help="the dual cache's K/V storage: float (bf16) or int8 with a bf16 scale per cached row and "
+                    "KV head (polestar_jax.models.kv_quant); each row says which")
     ap.add_argument("--fit-batch", action="store_true", help="a batched program left out for want of HBM: "
                     "search the largest batch that fits (a few more compiles; key largest_fitting_batch)")
     ap.add_argument("--layers", type=int, default=None, help="LLaDA-8B layers built (default: all 32)")
@@ -438,7 +458,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f.write("\n")
 
     rows = run(args.targets, args.programs, args.layers, args.smoke, done=write, rows=earlier,
-               weights=args.weights, fit=args.fit_batch)
+               weights=args.weights, fit=args.fit_batch, kv_cache=args.kv_cache)
     write(rows)
     print(table(rows))
     print(f"\n{meta['date']}, jax {meta['jax_version']}, libtpu {meta['libtpu_version']}, commit {meta['commit']}, "

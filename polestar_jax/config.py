@@ -625,6 +625,13 @@ class OffloadHidden(Mode):
     bf16 = "bf16"
 
 
+class KVCache(Mode):
+    """How the K/V cache stores keys and values (:attr:`DecodeConfig.kv_cache`)."""
+
+    float = "float"
+    int8 = "int8"
+
+
 def as_mode(cls: type[Mode], value: Any, what: str) -> Mode:
     """``value`` as a member of ``cls``; a one-line :class:`ConfigError` naming ``what`` otherwise."""
     try:
@@ -639,6 +646,10 @@ DECODERS = Decoder.choices()
 #: The decoders that read a :class:`PolestarConfig` (the LLaDA path's Polestar and LLaDA-V's).
 POLESTAR_DECODERS = ("polestar", "polestar_v")
 CACHES = Cache.choices()
+#: K/V cache storage modes (:attr:`DecodeConfig.kv_cache`; :mod:`polestar_jax.models.kv_quant`).
+KV_CACHES = KVCache.choices()
+#: The decoders whose K/V cache may be stored as int8 (``kv_cache="int8"``).
+KV_INT8_DECODERS = ("fastdllm",)
 REMASKING = Remasking.choices()
 
 
@@ -838,6 +849,10 @@ class DecodeConfig:
     cache: Cache = knob("dual", "KV cache: none, prefix or dual (llada: none only; polestar: dual only; "
                                 "polestar_v: prefix only)",
                       choices=CACHES, cli_default=None)
+    kv_cache: KVCache = knob("float", "K/V cache storage: float (the model's dtype) or int8 (one scale per cached "
+                                      "row and KV head: half the bytes of bfloat16; decoder fastdllm with "
+                                      "--cache prefix or dual; docs/scaling.md#int8-kv-cache)",
+                             choices=KV_CACHES)
     gen_length: int = knob(128, "tokens to generate", cli_default=None)
     block_length: int = knob(32, "tokens per block (decoded left to right)", cli_default=None)
     steps: Optional[int] = knob(None, "forwards of the fixed schedule over the whole generation (llada, or "
@@ -871,7 +886,7 @@ class DecodeConfig:
     def __post_init__(self):
         if self.steps is None:
             object.__setattr__(self, "steps", self.gen_length)
-        for name, cls in (("decoder", Decoder), ("cache", Cache), ("remasking", Remasking),
+        for name, cls in (("decoder", Decoder), ("cache", Cache), ("kv_cache", KVCache), ("remasking", Remasking),
                           ("start_commit", StartCommit), ("schedule", Schedule), ("rank_by", RankBy)):
             object.__setattr__(self, name, as_mode(cls, getattr(self, name), name))
         self.validate()
@@ -917,6 +932,10 @@ class DecodeConfig:
         if self.decoder not in POLESTAR_DECODERS and self.polestar != PolestarConfig():
             raise ConfigError(f"Polestar settings apply to decoder 'polestar' only, or 'polestar_v' (decoder is "
                               f"{self.decoder!r})")
+        if self.kv_cache != "float" and (self.decoder not in KV_INT8_DECODERS or self.cache == "none"):
+            raise ConfigError(f"kv_cache {self.kv_cache} applies to decoder fastdllm with a cache (prefix or dual); "
+                              f"decoder {self.decoder} with cache {self.cache} keeps "
+                              + ("no K/V cache" if self.cache == "none" else "its K/V cache in the model's dtype"))
         if self.decoder == "polestar":
             self._validate_polestar()
         if self.decoder == "polestar_v":

@@ -207,7 +207,8 @@ def dry_run(args, dcfg: DecodeConfig, cfg: ModelConfig, path: str) -> int:
     dtype, source = (args.dtype, "--dtype") if args.dtype else stored_dtype(path)
     mp = plan(cfg, dcfg, batch=batch, prompt_len=prompt_length, dtype=dtype, weights=args.weights)
     print(f"plan: {path} decoder={dcfg.decoder} batch={batch} prompt={prompt_length} "
-          f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={dtype} ({source}) weights={args.weights}")
+          f"gen={dcfg.gen_length} block={dcfg.block_length} dtype={dtype} ({source}) weights={args.weights} "
+          f"kv_cache={dcfg.kv_cache}")
     for line in mp.lines() + [p.line() for p in images]:
         print("  " + line)
     if args.json:

@@ -1,6 +1,9 @@
 """Weight-only int8 quantization (:mod:`polestar_jax.models.quant`): the per-element error bound, the products'
 error bounds against the float weights, every family's int8 model = the float model of its dequantized weights,
-the trained test bed's answers, the command line's ``--weights`` and the memory plan."""
+the trained test bed's answers, the command line's ``--weights`` and the memory plan. The int8 K/V cache
+(:mod:`polestar_jax.models.kv_quant`, ``--kv-cache int8``): the attention's error bound against the float cache,
+what a full pass writes, a cached step on the golden tiny model, no whole-cache copy in the compiled program,
+the test bed's answers (fixed and running batch), the flag, the plan and the refusals."""
 from __future__ import annotations
 
 import json
@@ -12,10 +15,14 @@ import pytest
 
 from polestar_jax import api
 from polestar_jax import generate as gen_cli
+from polestar_jax.config import DecodeConfig
+from polestar_jax.decode import samplers
+from polestar_jax.decode.layout import init_decode_state
+from polestar_jax.decode.policy import EngineSpec
 from polestar_jax.errors import ConfigError
 from polestar_jax.io.checkpoint import load_model
 from polestar_jax.io.tokenizer import asset_model_dir
-from polestar_jax.models import quant
+from polestar_jax.models import kv_quant, llada, quant
 from polestar_jax.models.family import family_of
 
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
@@ -127,7 +134,6 @@ def test_generate_weights_flag_and_plan(capsys, monkeypatch):
                            capsys)
     assert code == 0, err
     assert "weights=int8" in out
-    from polestar_jax.config import DecodeConfig
     from polestar_jax.engine.plan import plan
 
     dcfg = DecodeConfig(decoder="llada", cache="none", gen_length=32, block_length=32, threshold=None)
@@ -147,3 +153,142 @@ def test_bad_weights_value_is_one_line(capsys):
     assert code == 2 and len(lines) == 1 and "int4" in lines[0] and "Traceback" not in err
     with pytest.raises(ConfigError, match="unknown weights mode 'int4'"):
         api.load(weights="int4", compile_cache=False)
+
+
+# ---------------------------------------------------------------------------------------- the int8 K/V cache
+
+def test_int8_cache_attention_is_bounded_by_the_cache_error():
+    """Attention over an int8 cache is attention over its dequantized keys and values (to float32 rounding:
+    the scales are applied to the scores and probabilities), and differs from attention over the float
+    cache by at most ``(exp(2 D) - 1) max|v'| + max(v_scale) / 2`` per query row, where
+    ``D = max_l sum_d |q_d| k_scale_l / 2 / sqrt(hd)`` bounds the change of any score (a softmax whose
+    inputs move by at most D moves each probability by a factor within exp(+-2 D))."""
+    rng = np.random.default_rng(0)
+    b, h, kvh, t, length, hd = 2, 4, 2, 3, 10, 16
+    q = jnp.asarray(rng.standard_normal((b, h, t, hd)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, kvh, length, hd)) * 2, jnp.float32).at[0, 1, 4].set(0.0)
+    v = jnp.asarray(rng.standard_normal((b, kvh, length, hd)), jnp.float32)
+    valid = jnp.asarray(rng.random((b, length)) > 0.2).at[:, 0].set(True)
+    like = kv_quant.empty((b, kvh, length, hd), jnp.float32, "int8")
+    kq, vq = kv_quant.stored(k, like), kv_quant.stored(v, like)
+    assert kq.q.dtype == jnp.int8 and kq.scale.shape == (b, kvh, length, 1) and kv_quant.stored(kq, like) is kq
+    got = llada.attention(q, kq, vq, valid)
+    deq = llada.attention(q, kv_quant.read(kq), kv_quant.read(vq), valid)
+    np.testing.assert_allclose(got, deq, rtol=1e-5, atol=1e-6)
+    ref = llada.attention(q, k, v, valid)
+    g = h // kvh
+    ks = jnp.repeat(kq.scale[..., 0], g, axis=1)  # [b, H, L] each query head's KV head's scales
+    vs = jnp.repeat(vq.scale[..., 0], g, axis=1)
+    vmax = jnp.repeat(jnp.max(jnp.abs(kv_quant.read(vq)), -1), g, axis=1)  # [b, H, L]
+    on = valid[:, None, :]
+    d = jnp.max(jnp.where(on[:, :, None], jnp.sum(jnp.abs(q), -1)[..., None] * ks[:, :, None] / 2, 0), -1)
+    d = d / jnp.sqrt(jnp.float32(hd))  # [b, H, T]
+    bound = (jnp.expm1(2 * d) * jnp.max(jnp.where(on, vmax, 0), -1)[..., None]
+             + jnp.max(jnp.where(on, vs, 0), -1)[..., None] / 2)
+    err = jnp.max(jnp.abs(got - ref), -1)
+    assert bool(jnp.all(err <= bound * (1 + 1e-4) + 1e-6)), float(jnp.max(err - bound))
+    assert float(jnp.max(err)) > 0  # (the cache did change)
+
+
+def _cached_pass(params, cfg, prompts, dcfg):
+    """(full-pass block logits, the cache it wrote, the next cached step's block logits) of the first block."""
+    slot = 48
+    state = init_decode_state(cfg, dcfg, prompts, slot, dtype=jnp.float32)
+    spec = EngineSpec.from_config(cfg, dcfg)
+
+    @jax.jit
+    def run(params, state):
+        start, state = samplers.full_forward(params, state, spec, slot, keep_cache=True)
+        step, _ = samplers.cached_forward(params, state, spec, slot)
+        return start, (state.k_cache, state.v_cache), step
+
+    return run(params, state)
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_int8_cache_pass_and_step_on_the_golden_model(tiny_a, tiny_a_cases, cache):
+    """The full pass is unchanged (it attends to its own float K/V) and writes the int8 cache of the float
+    pass's K/V, every entry within half a scale; the next cached step (the same tokens, so in float it
+    repeats the full pass's logits) reads the int8 cache: its logits stay close to the float step's and
+    agree on the top token (measured: docs/scaling.md#int8-kv-cache)."""
+    cfg, params = tiny_a
+    prompts = [c["prompt_ids"] for c in tiny_a_cases["generate_cases"][:3]]
+    base = dict(decoder="fastdllm", cache=cache, gen_length=32, block_length=16)
+    f_start, (fk, fv), f_step = _cached_pass(params, cfg, prompts, DecodeConfig(**base))
+    q_start, (qk, qv), q_step = _cached_pass(params, cfg, prompts, DecodeConfig(**base, kv_cache="int8"))
+    np.testing.assert_array_equal(q_start, f_start)
+    for fc, qc in ((fk, qk), (fv, qv)):
+        assert qc.q.dtype == jnp.int8 and qc.scale.dtype == jnp.float32 and qc.q.shape == fc.shape
+        np.testing.assert_array_equal(qc.q, quant.quantize(fc, -1).q)
+        assert bool(jnp.all(jnp.abs(kv_quant.read(qc) - fc) <= qc.scale / 2 * (1 + 4 * F32_EPS)))
+    np.testing.assert_allclose(f_step, f_start, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(f_start))))
+    err = float(jnp.max(jnp.abs(q_step - f_step)))
+    spread = float(jnp.max(f_step) - jnp.min(f_step))
+    assert 0 < err <= 0.02 * spread, (err, spread)
+    agree = float(jnp.mean(jnp.argmax(q_step, -1) == jnp.argmax(f_step, -1)))
+    assert agree >= 0.9, agree
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_int8_cache_steps_copy_no_whole_cache(tiny_a, cache):
+    """The compiled block program (a running batch's: rows at their own blocks, one shared cache) holds the
+    int8 cache and its scales and copies neither whole: rows are quantized where written, and a layer is
+    read inside the attention (the design rule of the float cache, tests/test_engine.py)."""
+    import re
+
+    from engines import engine_for
+
+    cfg, params = tiny_a
+    eng = engine_for(params, cfg)
+    dcfg = DecodeConfig(decoder="fastdllm", cache=cache, gen_length=32, block_length=8, kv_cache="int8")
+    state = eng.initial_state([[5, 6, 7, 8]] * 2, dcfg, 16, 0, [0, 1], [32, 32])
+    from polestar_jax.engine.engine import running_spec
+
+    fn, _ = eng.block_program(params, state, eng.knobs(dcfg, 2), running_spec(eng, dcfg, 2), None)
+    text = fn.as_text()
+    for part in state.k_cache:
+        shape = r"\[" + ",".join(map(str, part.shape)) + r"\]"
+        assert re.search(shape, text)  # the cache is in the program
+        assert not [ln for ln in text.splitlines() if " copy(" in ln and re.search(shape, ln)], part.shape
+
+
+def test_int8_cache_tiny_tasks_answers_fixed_and_running_batch():
+    """The bundled trained model with the dual cache answers held-out prompts alike with either cache; a
+    running batch (rows inserted at block boundaries, each row's entries of one shared int8 cache) answers
+    exactly as the fixed batch does."""
+    m = api.load(compile_cache=False)
+    a = [g.text for g in m.generate(_PROMPTS, decoder="fastdllm")]
+    b = [g.text for g in m.generate(_PROMPTS, decoder="fastdllm", kv_cache="int8")]
+    assert sum(x == y for x, y in zip(a, b)) >= len(_PROMPTS) - 1, (a, b)
+    c = [g.text for g in m.generate(_PROMPTS, decoder="fastdllm", kv_cache="int8", batch_size=4)]
+    assert c == b
+
+
+def test_kv_cache_flag_plan_and_refusals(capsys, monkeypatch):
+    """``generate --kv-cache int8`` answers; the memory plan counts one byte per cached value plus one bf16
+    scale per (layer, row, KV head, position); a decoder without a cache it could store, or an unknown
+    value, is one line (exit 2)."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
+    code, out, err = _main(["--prompt", "copy: ann,bob,cal", "--decoder", "fastdllm", "--kv-cache", "int8",
+                            "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["rows"][0]["text"] == "ann,bob,cal"
+    from polestar_jax.engine.plan import plan
+
+    cfg = api.ModelConfig.from_json(asset_model_dir("tiny_tasks") + "/config.json")
+    kv = {}
+    for mode in ("float", "int8"):
+        dcfg = DecodeConfig(decoder="fastdllm", cache="dual", gen_length=32, block_length=32, kv_cache=mode)
+        kv[mode] = plan(cfg, dcfg, prompt_len=64, compile_step=False).kv_bytes_per_seq
+    entries = 2 * cfg.n_layers * cfg.n_kv_heads * (64 + 32)  # K and V, every layer, KV head and position
+    assert kv == {"float": entries * cfg.head_dim * 2, "int8": entries * (cfg.head_dim + 2)}
+    for argv, word in ((["--kv-cache", "int4"], "int4"), (["--kv-cache", "int8", "--decoder", "llada"], "llada"),
+                       (["--kv-cache", "int8", "--decoder", "polestar"], "polestar")):
+        code, out, err = _main(["--prompt", "x", *argv], capsys)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and word in lines[0] and "Traceback" not in err, err
+    with pytest.raises(ConfigError, match="kv_cache int8 applies to decoder fastdllm with a cache"):
+        DecodeConfig(decoder="fastdllm", cache="none", kv_cache="int8")
+    from polestar_jax.lm_eval_model import parse_model_args
+
+    assert parse_model_args({"kv_cache": "int8", "decoder": "fastdllm"})[1]["kv_cache"] == "int8"

@@ -29,7 +29,7 @@ def state_layout(mcfg: ModelConfig, dcfg: DecodeConfig, dtype) -> StateLayout:
     """What ``dcfg``'s decode state holds beside the prompts (hashable: one compiled builder per layout)."""
     own = own_state(dcfg.decoder)
     return StateLayout(mcfg, dcfg.num_blocks, dcfg.cache != "none", np.dtype(dtype), dcfg.block_length, own,
-                       None if own is None else own.config_of(dcfg))
+                       None if own is None else own.config_of(dcfg), str(dcfg.kv_cache))
 
 
 def place_own(state: DecodeState, layout: StateLayout, abstract: bool = False) -> DecodeState:

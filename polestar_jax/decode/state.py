@@ -38,7 +38,9 @@ class DecodeState:
     n_blocks     [b]    int32   the row's number of blocks (its generation length / block length; 0: a free slot).
     stop         [b]    bool    the row ended early: a finished block held one of the stop tokens (early exit).
     k_cache, v_cache  [N, b, KV, L, hd] or None: K/V of the last full pass / step (keys un-rotated for
-                 Polestar, rotated for the Fast-dLLM caches: docs/differences.md#d46).
+                 Polestar, rotated for the Fast-dLLM caches: docs/differences.md#d46); with
+                 ``kv_cache="int8"`` each a ``QTensor`` (int8 [N, b, KV, L, hd] and scales [N, b, KV, L, 1]:
+                 :mod:`polestar_jax.models.kv_quant`), both arrays with the same declared axes.
     policy_state the decoding policy's own part (:class:`PolicyState` hooks build and place it; Polestar's
                  clusters, hidden-state store and drift state), or None for a policy that keeps none.
     """
@@ -133,6 +135,7 @@ class StateLayout(NamedTuple):
     block_length: int = 0
     own: Optional[PolicyState] = None  # the policy's hooks, when it keeps a state of its own
     own_config: Any = None  # their config (PolicyState.config_of)
+    kv_cache: str = "float"  # DecodeConfig.kv_cache: the K/V cache's storage (float: in ``dtype``; int8)
 
 
 def prompt_fields(prompts: Sequence[Sequence[int]], cfg: ModelConfig, gen_length: int, prompt_slot: int,
@@ -165,11 +168,12 @@ def build_state(fields: PromptFields, layout: StateLayout) -> DecodeState:
     b, length = fields.x.shape
     k_cache = v_cache = None
     if layout.cache:
+        from polestar_jax.models import kv_quant
         from polestar_jax.models.family import family_of
 
         shape = family_of(layout.model).cache_shape(layout.model, b, length)
-        k_cache = jnp.zeros(shape, layout.dtype)
-        v_cache = jnp.zeros(shape, layout.dtype)
+        k_cache = kv_quant.empty(shape, layout.dtype, layout.kv_cache)
+        v_cache = kv_quant.empty(shape, layout.dtype, layout.kv_cache)
     state = DecodeState(
         x=jnp.asarray(fields.x), commit_step=jnp.full((b, length), -1, jnp.int32), nfe=jnp.zeros((b,), jnp.int32),
         pos=jnp.asarray(fields.pos), key_valid=jnp.asarray(fields.key_valid), rng=jnp.asarray(fields.rng),

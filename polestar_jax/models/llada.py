@@ -34,6 +34,7 @@ from jax import lax
 
 from polestar_jax.axes import ROWS
 from polestar_jax.config import ModelConfig
+from polestar_jax.models import kv_quant
 from polestar_jax.models.quant import head as _head, matmul as mm, take_rows
 
 Params = dict[str, Any]
@@ -80,8 +81,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
     """Bidirectional attention with rotated ``q`` [b, H, T, hd], ``k``/``v`` [b, KV, L, hd] (GQA when KV < H).
 
     ``key_valid`` [b, L] (bool) hides padded keys. Softmax in float32. Returns [b, H, T, hd] in q.dtype, and
-    with ``return_probs`` also the attention probabilities [b, H, T, L] (float32).
+    with ``return_probs`` also the attention probabilities [b, H, T, L] (float32). ``k`` / ``v`` may be an
+    int8 cache's layer (:mod:`polestar_jax.models.kv_quant`): the exact path reads it, scales applied per key.
     """
+    if kv_quant.is_int8(k) or kv_quant.is_int8(v):
+        return attention_exact(q, k, v, key_valid, return_probs)
     if not return_probs and q.dtype in (jnp.bfloat16, jnp.float16) and fused_pays(q, k) and cudnn_available():
         # a GPU program gets cuDNN's fused attention (no [T, L] score matrix in memory); every other target
         # (the CPU, a TPU) the exact path below. Float32 and the drift's probabilities always take the exact path.
@@ -115,16 +119,23 @@ def cudnn_available() -> bool:
 
 def attention_exact(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.Array],
                     return_probs: bool = False):
-    """:func:`attention` as two einsums and a float32 softmax (every float32 program; the probabilities)."""
+    """:func:`attention` as two einsums and a float32 softmax (every float32 program; the probabilities; an
+    int8 cache: its values converted inside the einsums, the keys' scales on the scores, the values' on the
+    probabilities, :func:`polestar_jax.models.kv_quant.operand`)."""
     b, h, t, hd = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, hd)
-    s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
-        jnp.float32(hd))
+    k, k_scale = kv_quant.operand(k, q.dtype)
+    v, v_scale = kv_quant.operand(v, q.dtype)
+    s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k, preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        s = s * k_scale[:, :, None, None, :]
+    s = s / jnp.sqrt(jnp.float32(hd))
     if key_valid is not None:
         s = jnp.where(key_valid[:, None, None, None, :], s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgtl,bkld->bkgtd", p.astype(v.dtype), v,
+    pv = p if v_scale is None else p * v_scale[:, :, None, None, :]
+    o = jnp.einsum("bkgtl,bkld->bkgtd", pv.astype(v.dtype), v,
                    preferred_element_type=jnp.float32).astype(q.dtype)
     o = o.reshape(b, h, t, hd)
     if return_probs:
@@ -277,7 +288,8 @@ def layer(
             k = (k_rope if write is None else q_rope).rotate(k)
         if write is not None:
             k, v = write(k, v)
-        keys = Keys(k, v, k if rotated_cache else k_rope.rotate(k))
+        # (an int8 cache of un-rotated keys is dequantized before RoPE; rotated ones are read in the attention)
+        keys = Keys(k, v, k if rotated_cache else k_rope.rotate(kv_quant.read(k)))
     q_rot = q_rope.rotate(q_proj(lp, h, cfg))
     att = attention(q_rot, keys.k_rot, keys.v, key_valid, return_probs=return_probs)
     a, probs = att if return_probs else (att, None)
@@ -306,7 +318,8 @@ class CacheSlot(NamedTuple):
     def put_layer(self, new: Any) -> "CacheSlot":
         """The slot with layer ``i``'s buffers replaced by ``new`` (whole)."""
         return self._replace(buffers=jax.tree.map(
-            lambda a, u: put_own(_put_layer, a, u.astype(a.dtype), self.i), self.buffers, new))
+            lambda a, u: put_own(_put_layer, a, u.astype(a.dtype), self.i), self.buffers,
+            kv_quant.stored_like(self.buffers, new)))
 
     def rows(self, start: Any, t: int, axis: int) -> Any:
         """Entries ``[start, start + t)`` along ``axis`` (of a layer's buffer) of layer ``i``'s buffers."""
@@ -316,7 +329,8 @@ class CacheSlot(NamedTuple):
         """The slot with ``new`` written at ``[start, start + T)`` along ``axis`` of layer ``i``'s buffers, in
         place: only the rows move (a whole-layer copy would move the layer's cache twice per layer)."""
         return self._replace(buffers=jax.tree.map(lambda a, u: put_own(
-            _put_rows, a, u.astype(a.dtype), self.i, jnp.asarray(start, jnp.int32), axis=axis), self.buffers, new))
+            _put_rows, a, u.astype(a.dtype), self.i, jnp.asarray(start, jnp.int32), axis=axis), self.buffers,
+            kv_quant.stored_like(self.buffers, new)))
 
     def scatter_rows(self, new: Any, idx: jax.Array, valid: jax.Array, axis: int) -> "CacheSlot":
         """The slot with ``new``'s rows (each [b, ..., C, ...], C along ``axis``) written at positions ``idx``
@@ -324,7 +338,8 @@ class CacheSlot(NamedTuple):
         (invalid or out-of-range positions are dropped: ``kernels.refresh.scatter_kv_rows_reference``'s
         rule): only the rows move, where a whole-layer copy would move the layer's cache twice."""
         return self._replace(buffers=jax.tree.map(lambda a, u: put_own(
-            _scatter_rows, a, u.astype(a.dtype), self.i, idx, valid, axis=axis), self.buffers, new))
+            _scatter_rows, a, u.astype(a.dtype), self.i, idx, valid, axis=axis), self.buffers,
+            kv_quant.stored_like(self.buffers, new)))
 
 
 def _put_layer(a, u, i, axis: int = 0):
@@ -464,9 +479,10 @@ class SlotWrite:
 
     def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         if self.mask is not None:
-            old_k, old_v = self.slot.rows(self.start, k.shape[2], axis=2)
+            old = self.slot.rows(self.start, k.shape[2], axis=2)
             w = self.mask[:, None, :, None]
-            k, v = jnp.where(w, k, old_k), jnp.where(w, v, old_v)
+            # (an int8 cache: the rows quantized first, then the kept rows' int8 values and scales as they were)
+            k, v = jax.tree.map(lambda n, o: jnp.where(w, n, o), kv_quant.stored_like(old, (k, v)), old)
         self.slot = self.slot.put_rows((k, v), self.start, axis=2)
         return self.slot.layer()
 
