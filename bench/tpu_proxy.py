@@ -41,14 +41,14 @@ lacks (keyed by program, target, weights and K/V cache; a long matrix on a busy 
 file keeps every run's provenance).
 
 Columns (``--json FILE``: a list of rows; the run's date, command, versions and load beside it, FILE's
-name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``weights``, ``kv_cache``, ``kernels``, ``compile_seconds``,
-``per_device_bytes`` (XLA's memory analysis of the compiled program: arguments + outputs - aliased +
-temporaries, per chip; the parts as ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
+name with ``.meta.json``): ``program``, ``target``, ``mesh``, ``weights``, ``kv_cache``, ``kernels``,
+``compile_seconds``, ``per_device_bytes`` (XLA's memory analysis of the compiled program: arguments + outputs -
+aliased + temporaries, per chip; the parts as ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
 ``host_bytes``: :func:`memory_parts`), ``hbm_bytes`` (one chip's HBM), ``fits``, ``mosaic_kernels`` (the
 ``tpu_custom_call``\\ s of the optimized HLO). A program XLA refuses for want of HBM
 (``CompileTimeHbmOom``) is a row with ``fits: false``, ``per_device_bytes`` the bytes the compiler said it
-needs, ``oom`` the start of XLA's message and ``left_out`` the reason: it was not compiled for that target, and the table says so. Nothing runs
-on a TPU.
+needs, ``oom`` the start of XLA's message and ``left_out`` the reason: it was not compiled for that target,
+and the table says so. Nothing runs on a TPU.
 """
 from __future__ import annotations
 
@@ -258,7 +258,8 @@ def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto", 
         if need is None:
             raise
         row.update(compile_seconds=round(time.perf_counter() - t0, 2), per_device_bytes=need, fits=False,
-                   mosaic_kernels=None, oom=" ".join(str(e).split())[:400], left_out=f"needs {need / GIB:.2f} GiB of HBM temporaries on one chip "
+                   mosaic_kernels=None, oom=" ".join(str(e).split())[:400],
+                   left_out=f"needs {need / GIB:.2f} GiB of HBM temporaries on one chip "
                    f"(XLA: CompileTimeHbmOom), the chip has {target.hbm_bytes / GIB:g} GiB")
         return row
     used = per_device_bytes(prog)
@@ -306,10 +307,11 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
         rows: Optional[list[dict]] = None, weights: str = "bfloat16", fit: bool = False,
         kv_cache: str = "float") -> list[dict]:
     """Compiles ``programs`` for each of ``targets`` with ``weights`` and ``kv_cache`` (the (program, target,
-    weights, K/V cache) rows ``rows`` already holds are kept, not compiled again); a program that fails otherwise is a row with its
-    ``error`` (one line). ``fit``: a batched program left out for want of HBM gets its largest fitting
-    batch (:func:`fit_batch`, key ``largest_fitting_batch``). ``done(rows)`` is called after each row (the
-    rows so far, in target, program, weights order)."""
+    weights, K/V cache) rows ``rows`` already holds are kept, not compiled again); a program that fails
+    otherwise is a row with its ``error`` (one line). ``fit``: a batched program left out for want of HBM gets its
+    largest fitting batch (:func:`fit_batch`, key ``largest_fitting_batch``). ``done(rows)`` is called after each
+    row (the rows so far, in target, program, weights order).
+    """
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)  # (every program compiles here)
@@ -340,7 +342,8 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
                     + (f"; left out: {row['left_out']}" if "left_out" in row else ""))
             except Exception as e:  # noqa: BLE001 - record it and go on with the other programs
                 row = {"program": name, "target": target, "mesh": mesh_text(mesh), "weights": weights,
-                       "kv_cache": kv_cache_of(name, kv_cache), "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+                       "kv_cache": kv_cache_of(name, kv_cache),
+                       "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
                 log(f"  error: {row['error']}")
             row["layers"] = cfg.n_layers
             rows.append(row)
