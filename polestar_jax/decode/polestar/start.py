@@ -118,18 +118,22 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
             write = lambda k, v: (scatter_kv_rows(kv[0], k, rows.write_idx, write_valid, backend=pc.kernels),
                                   scatter_kv_rows(kv[1], v, rows.write_idx, write_valid, backend=pc.kernels))
         # (no [T, L] probabilities: the pass's attention is the one a plain forward runs, fused where the
-        # platform has it; the drift needs the block rows' only, computed as the exact path computes them)
+        # platform has it; the drift needs the last layer's block rows only: their queries ride in the carry)
         out = fam.layer(lp, h, cfg, q_rope, k_rope, state.key_valid, write=write)
         q_blk = lax.dynamic_slice_in_dim(out.q_rot, rows.block_offset, block, axis=2)
-        p_blk = attention_exact(q_blk, out.keys.k_rot, out.keys.v, state.key_valid, return_probs=True)[1]
         stored, scale = offload.encode(hs, pc)
-        return (out.h, p_blk), (offload.to_host(stored, pc), offload.to_host(scale, pc), hs), \
+        return (out.h, q_blk), (offload.to_host(stored, pc), offload.to_host(scale, pc), hs), \
             (out.keys.k, out.keys.v)
 
-    p0 = jnp.zeros((b, cfg.n_heads, block, length), jnp.float32)
+    h0 = fam.embed(params, rows.ids)
+    q0 = jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), h0.dtype)
     # (a full pass overwrites every layer's K/V in place, a windowed one its window's rows)
-    (h, p_blk), (hs, hs_sc, raw), (kk, vv) = layer_scan(layer, (fam.embed(params, rows.ids), p0), params["blocks"],
+    (h, q_blk), (hs, hs_sc, raw), (kk, vv) = layer_scan(layer, (h0, q0), params["blocks"],
                                                         (state.k_cache, state.v_cache), unroll=unroll)
+    # the token drift's baseline: the last layer's attention of the block rows [b, H, B, L], once, the exact way,
+    # against that layer's keys and values as the pass wrote them (the cache keeps Polestar's keys un-rotated)
+    k_last, v_last = own_rows(kk[-1]), own_rows(vv[-1])
+    p_blk = attention_exact(q_blk, k_rope.rotate(k_last), v_last, state.key_valid, return_probs=True)[1]
     logits = fam.head_at(params, h, cfg, rows.block_offset, block)
     return PassOut(kk, vv, hs, hs_sc, raw, p_blk, logits)
 
