@@ -206,6 +206,28 @@ def test_predict_never_returns_mask_and_conf_is_prob():
     assert np.all(np.isfinite(conf[masked]))
 
 
+def test_one_pass_top1_equals_the_two_pass_form():
+    """The accelerators' one-pass top-1 (an online softmax in one variadic reduction) picks the same token as
+    the two-pass form the golden replays were made with, ties to the lowest id and the mask token excluded
+    even where it is the largest logit, with the same probability up to rounding; on the CPU ``predict``
+    keeps the two-pass numerics bit for bit."""
+    rng = np.random.default_rng(3)
+    logits = _random_logits(rng) * 3
+    logits[0, 0, MASK] = 80.0  # the mask token is the maximum: excluded from x0, included in the softmax
+    logits[0, 1, [2, 4]] = 60.0  # a tie: the lower id wins
+    logits[1, 2, :] = 0.0  # a flat row: every id ties
+    logits = jnp.asarray(logits)
+    not_mask = jnp.arange(logits.shape[-1]) != MASK
+    x_two, p_two = map(np.asarray, C.top1_two_pass(logits, not_mask))
+    x_one, p_one = map(np.asarray, jax.jit(C.top1_one_pass)(logits, not_mask))
+    np.testing.assert_array_equal(x_one, x_two)
+    assert x_one[0, 1] == 2 and x_one[1, 2] == 0 and x_one[0, 0] != MASK
+    np.testing.assert_allclose(p_one, p_two, rtol=1e-5, atol=1e-30)
+    pred = C.predict(logits, jnp.ones(logits.shape[:2], bool), MASK)
+    np.testing.assert_array_equal(np.asarray(pred.x0), x_two)
+    np.testing.assert_array_equal(np.asarray(pred.conf), p_two)
+
+
 def test_predict_with_noise_never_returns_mask():
     rng = np.random.default_rng(1)
     logits = _random_logits(rng)

@@ -493,3 +493,31 @@ def _count(dims) -> int:
     for d in dims:
         n *= d
     return n
+
+
+_TOP1_SCRIPT = """
+import json
+from bench import gpu_proxy
+gpu_proxy.name_platform()
+import jax, jax.numpy as jnp
+from bench import hlo_traffic as ht
+from polestar_jax.decode import commit
+sh = gpu_proxy.gpu_sharding()
+logits = jax.ShapeDtypeStruct((32, 32, 126464), jnp.float32, sharding=sh)
+masked = jax.ShapeDtypeStruct((32, 32), jnp.bool_, sharding=sh)
+hlo = jax.jit(lambda l, m: commit.predict(l, m, 126336)).lower(logits, masked).compile().as_text()
+print(json.dumps({"bytes": ht.Model(ht.parse_module(hlo)).run().bytes}))
+"""
+
+
+@pytest.mark.skipif(gpu_proxy.plugin_problem() is not None,
+                    reason="the CUDA plugin wheels are not installed (pip install -e '.[gpu-proxy]')")
+def test_greedy_confidences_read_the_logits_once_on_a_gpu():
+    """The greedy commit's scoring (``commit.predict``: top-1 token and its probability) compiled for the H200
+    reads a batch of 32 blocks' float32 logits ([32, 32, 126464], 0.52 GB) once: the two-pass form (a max,
+    then a sum of exponentials) read them twice."""
+    proc = subprocess.run([sys.executable, "-c", _TOP1_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logits = 32 * 32 * 126464 * 4
+    assert logits <= json.loads(proc.stdout.strip().splitlines()[-1])["bytes"] < 1.1 * logits

@@ -28,6 +28,7 @@ from polestar_jax.decode.policy import (POLICIES, BlockCtx, EngineSpec, Knobs, P
                                         block_start_position, context, live_rows, write_commits)
 from polestar_jax.decode.rows import ROWS, batch_any
 from polestar_jax.decode.state import DecodeState, axes_of, select_rows
+from polestar_jax.models.llada import chunk_entries
 
 def policy_for(decoder: str) -> Policy:
     """The :class:`Policy` registered for ``decoder`` (:func:`~polestar_jax.decode.policy.register_policy`);
@@ -152,13 +153,17 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     policy = policy_for(spec.decoder)
     b, w = state.x.shape[0], spec.compact_rows
     st_axes = axes_of(state)
-    s_ax = jax.tree.map(lambda ax: ax.batch, st_axes)
+    # (the rows share the K/V cache, never gathered: a chunk's rows read and write their own entries,
+    # llada.chunk_entries)
+    s_ax = _shared_cache(jax.tree.map(lambda ax: ax.batch, st_axes))
     r_ax = None if replay is None else jax.tree.map(lambda ax: ax.batch, axes_of(replay))
     k_ax = jax.tree.map(lambda a: 0 if jnp.ndim(a) else None, knobs)
     c_ax = _RowCtx(0, 0, 0, 0)
     rows = lambda f, in_axes, out_axes: jax.vmap(f, in_axes=in_axes, out_axes=out_axes, axis_name=ROWS)
-    old = _split_rows(state, st_axes, b)
+    old = _split_rows(state, st_axes, b, shared=True)
     rep = None if replay is None else _split_rows(replay, axes_of(replay), b)
+    chunk_vmap = lambda f, in_axes, out_axes, idx, on: lambda *a: _with_chunk(
+        idx, on, b, lambda: rows(f, in_axes, out_axes)(*a))
 
     def ctx_of(rc: _RowCtx, k, r) -> BlockCtx:
         return BlockCtx(params, spec, k, r, rc.block_idx, rc.cs, rc.n_masked0, rc.live)
@@ -173,10 +178,13 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     def begin(s, c, k, r, on):  # the block start of the rows ``on`` of a chunk; the others as they were
         ctx = ctx_of(c._replace(live=c.live & on), k, r)
         new = lax.cond(batch_any(on), lambda s: policy.start(ctx, s), lambda s: s, s)
-        return jax.tree.map(lambda n, o: jnp.where(on.reshape((1,) * n.ndim), n, o), new, s)
+        # (the shared cache as written: a row that is not ``on`` wrote nothing there)
+        keep = lambda n, o: jnp.where(on.reshape((1,) * n.ndim), n, o)
+        return jax.tree.map(keep, _no_cache(new), _no_cache(s)).replace(k_cache=new.k_cache, v_cache=new.v_cache)
 
-    s = _chunked(old, rc.live, w, lambda s, idx, on: _put(s, s_ax, idx, rows(begin, (s_ax, c_ax, k_ax, r_ax, 0), s_ax)(
-        _take(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
+    s = _chunked(old, rc.live, w, lambda s, idx, on: _put_chunk(s, s_ax, idx, chunk_vmap(
+        begin, (s_ax, c_ax, k_ax, r_ax, 0), s_ax, idx, on)(
+        _take_chunk(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
         None if rep is None else _take(rep, r_ax, idx), on)))
     bound = policy.bound(context(params, state, 0, knobs, replay, spec))
     stats = rows(lambda c, k, r: policy.empty_stats(ctx_of(c, k, r), bound), (c_ax, k_ax, r_ax), 1)(rc, knobs, rep)
@@ -185,9 +193,9 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
         return rows(lambda s, c, k, r: policy.active(ctx_of(c, k, r), s, i) & c.live,
                     (s_ax, c_ax, k_ax, r_ax), 0)(s, rc, knobs, rep)
 
-    def step(s, c, k, r, a, i):
-        return rows(lambda s, c, k, r, a: policy.step(ctx_of(c, k, r), s, i, a),
-                    (s_ax, c_ax, k_ax, r_ax, 0), (s_ax, 0))(s, c, k, r, a)
+    def step(s, c, k, r, a, i, idx):
+        return chunk_vmap(lambda s, c, k, r, a: policy.step(ctx_of(c, k, r), s, i, a),
+                          (s_ax, c_ax, k_ax, r_ax, 0), (s_ax, 0), idx, a)(s, c, k, r, a)
 
     def cond(carry):
         s, i, _ = carry
@@ -199,13 +207,13 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
 
         def chunk(carry, idx, on):
             s, st_all = carry
-            sub, st = step(_take(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
-                           None if rep is None else _take(rep, r_ax, idx), on, i)
+            sub, st = step(_take_chunk(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
+                           None if rep is None else _take(rep, r_ax, idx), on, i, idx)
             if st is not None:  # (a position that took part as inactive keeps what an earlier chunk recorded)
                 zero = jax.tree.map(lambda _: 0, st)
                 keep = lambda v, old: jnp.where(on.reshape(on.shape + (1,) * (v.ndim - 2)), v, old)
                 st_all = _put(st_all, zero, idx, jax.tree.map(keep, st, _take(st_all, zero, idx)))
-            return _put(s, s_ax, idx, sub), st_all
+            return _put_chunk(s, s_ax, idx, sub), st_all
 
         st0 = None if buf is None else jax.tree.map(lambda v: jnp.zeros(v.shape[1:], v.dtype), buf)
         s, st = _chunked((s, st0), a, w, chunk)
@@ -222,7 +230,28 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
 
     out = rows(end, (s_ax, s_ax, c_ax), s_ax)(s, old, rc)
     stats = None if stats is None else jax.tree.map(lambda a: a.reshape(a.shape[:1] + (b,) + a.shape[3:]), stats)
-    return _merge_rows(out, st_axes, b), stats
+    return _merge_rows(out, st_axes, b, shared=True), stats
+
+
+def _no_cache(s: DecodeState) -> DecodeState:
+    return s.replace(k_cache=None, v_cache=None)
+
+
+def _take_chunk(s: DecodeState, s_ax, idx) -> DecodeState:
+    """:func:`_take` of a state's rows ``idx``, with the whole K/V cache the rows share (not gathered)."""
+    return _take(_no_cache(s), s_ax, idx).replace(k_cache=s.k_cache, v_cache=s.v_cache)
+
+
+def _put_chunk(s: DecodeState, s_ax, idx, sub: DecodeState) -> DecodeState:
+    """:func:`_put` of a chunk's state; its K/V cache is the rows' shared one as the chunk wrote it."""
+    return _put(_no_cache(s), s_ax, idx, _no_cache(sub)).replace(k_cache=sub.k_cache, v_cache=sub.v_cache)
+
+
+def _with_chunk(idx, on, total: int, fn):
+    """``fn()`` traced with the chunk's rows ``idx`` [w] (those ``on`` [w, 1] taking part) as the entries of the
+    K/V cache the rows share (:func:`polestar_jax.models.llada.chunk_entries`)."""
+    with chunk_entries(idx, on, total):
+        return fn()
 
 
 def _reshape_rows(tree, axes_tree, shape_of, spec: Optional[EngineSpec] = None, shared: bool = False):

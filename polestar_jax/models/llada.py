@@ -25,6 +25,7 @@ float32 XLA may contract the rotation's multiply-add differently in another fusi
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -367,6 +368,43 @@ def _scatter_rows(a, u, i, idx, valid, axis: int):
     return a.at[at].set(jnp.moveaxis(u, axis, 1), mode="drop")
 
 
+class _Chunk(NamedTuple):
+    entries: jax.Array  # [n] int32: the shared buffers' entry of each row of the rows vmap (a batch of one)
+    on: jax.Array  # [n] bool: the rows that take part (the others write nothing)
+    total: int  # the shared buffers' batch size
+
+
+_CHUNKS: list[_Chunk] = []
+
+
+@contextlib.contextmanager
+def chunk_entries(entries: jax.Array, on: jax.Array, total: int):
+    """While a chunk of a running batch's rows is traced (the rows ``vmap`` over ``n`` of ``total`` rows,
+    each with a batch of one: :func:`polestar_jax.decode.block.decode_block`'s compacted steps), the buffers
+    the rows share ([N, total, ...], not mapped: the K/V cache) hold row ``r``'s entries at ``entries[r]``
+    (``entries`` [n] distinct); a row that is not ``on`` ([n] or [n, 1] bool) writes nothing. The rows read
+    their entries a row at a time and write them in place (:func:`own_rows`, :func:`put_own`): no copy of
+    the chunk's cache, where gathering its rows copied every layer's cache of the chunk in and out."""
+    on = jnp.reshape(on, (-1,))
+    _CHUNKS.append(_Chunk(entries.astype(jnp.int32), on, total))
+    try:
+        yield
+    finally:
+        _CHUNKS.pop()
+
+
+def _chunk() -> Optional[_Chunk]:
+    return _CHUNKS[-1] if _CHUNKS and _rows_axis() is not None else None
+
+
+def _gather_entries(a: jax.Array, entries: jax.Array) -> jax.Array:
+    """``a[entries]`` [n, ...] a row at a time (dynamic slices: XLA:TPU lowers a gather of whole rows by
+    copying the whole operand first)."""
+    out = jnp.zeros((entries.shape[0],) + a.shape[1:], a.dtype)
+    return lax.fori_loop(0, entries.shape[0], lambda j, o: lax.dynamic_update_index_in_dim(
+        o, lax.dynamic_index_in_dim(a, entries[j], 0, keepdims=False), j, 0), out)
+
+
 def _rows_axis() -> Optional[tuple[jax.Array, int]]:
     """(this row's index, the number of rows) of the rows ``vmap`` (:data:`polestar_jax.axes.ROWS`), or None
     outside it."""
@@ -381,8 +419,24 @@ def own_rows(a: jax.Array) -> jax.Array:
     batch (:data:`polestar_jax.axes.ROWS`) a buffer shared by the rows ([n * b, ...], not mapped) is split
     into the rows' own [b, ...] (a reshape: no data moves). See :class:`CacheSlot`."""
     rows = _rows_axis()
+    chunk = _chunk()
+    if chunk is not None:  # (a chunk of rows: a buffer of every row's entries is the shared one)
+        return a if a.shape[0] != chunk.total else _own_entries(a, chunk.entries, rows[0])
     # (the block program's rows each hold a batch of one: a buffer of n entries is the rows' shared one)
     return a if rows is None or a.shape[0] != rows[1] else _own_rows(a, rows[0])
+
+
+@jax.custom_batching.custom_vmap
+def _own_entries(a, entries, row):
+    return lax.dynamic_slice_in_dim(a, entries[row], 1, axis=0)
+
+
+@_own_entries.def_vmap
+def _own_entries_vmap(n, batched, a, entries, row):
+    if batched[0] or batched[1]:  # (each row's own buffer or map: its own entry)
+        return jax.vmap(lambda a, e, r: lax.dynamic_slice_in_dim(a, e[r], 1, axis=0),
+                        in_axes=[0 if on else None for on in batched])(a, entries, row), True
+    return _gather_entries(a, entries)[:, None], True
 
 
 @jax.custom_batching.custom_vmap
@@ -410,6 +464,9 @@ def put_own(write: Callable, a: jax.Array, u: jax.Array, i: jax.Array, *rows: ja
     becomes one per entry). See :class:`CacheSlot`."""
     if not _shared(a, u.shape[0]):
         return write(a, u, i, *rows, axis=axis)
+    chunk = _chunk()
+    if chunk is not None:
+        return _put_entries(write, axis)(a, u, i, chunk.entries, chunk.on, _rows_axis()[0], *rows)
     return _put_own(write, axis)(a, u, i, *rows)
 
 
@@ -417,6 +474,9 @@ def _shared(a: jax.Array, b: int) -> bool:
     """Whether ``a`` [N, B, ...] may be a buffer shared by the rows of the rows ``vmap``, each with a batch of
     ``b`` (with one row, whether it is or not is for the ``vmap`` rule to see)."""
     rows = _rows_axis()
+    chunk = _chunk()
+    if chunk is not None:
+        return a.shape[1] == chunk.total
     return rows is not None and a.shape[1] == rows[1] * b
 
 
@@ -444,6 +504,66 @@ def _put_own(write: Callable, axis: int):
         return plain(a, fold(u, batched[1]), i, *[fold(x, on) for x, on in zip(rows, batched[3:])]), False
 
     return put
+
+
+@functools.lru_cache(maxsize=None)
+def _put_entries(write: Callable, axis: int):
+    """:func:`_put_own` for a chunk of rows (:func:`chunk_entries`): each row's entry written in place, a row
+    at a time (a scatter over the rows would make XLA:TPU copy the whole buffer into another layout)."""
+    one = _ROW_WRITES[write]
+
+    @jax.custom_batching.custom_vmap
+    def put(a, u, i, entries, on, row, *rows):  # (each row's value: its own entry written; the rule: all)
+        return one(a, u, i, entries[row], on[row], *rows, axis=axis)
+
+    @put.def_vmap
+    def rule(n, batched, a, u, i, entries, on, row, *rows):
+        if batched[0] or batched[2] or batched[3] or batched[4]:
+            raise NotImplementedError("a chunk's shared buffer, layer and entries are the same for every row")
+        us = u if batched[1] else jnp.broadcast_to(u, (n,) + u.shape)
+        per = [x if b else None for x, b in zip(rows, batched[6:])]
+
+        def body(r, a):
+            args = [x if p is None else p[r] for x, p in zip(rows, per)]
+            return one(a, us[r], i, entries[r], on[r], *args, axis=axis)
+
+        return lax.fori_loop(0, n, body, a), False
+
+    return put
+
+
+def _row_window(a, u, i, entry, on, at, axis_len, axis: int):
+    """``a`` with the window of layer ``i``, entry ``entry`` [1, 1, ...] that starts at ``at`` (length
+    ``axis_len`` along ``axis`` of a layer's buffer; the whole buffer when None) replaced by ``u`` [1, ...]
+    where ``on``."""
+    start = [jnp.int32(0)] * a.ndim
+    start[0], start[1] = i, entry
+    size = [1, 1] + list(a.shape[2:])
+    if at is not None:
+        start[axis + 1], size[axis + 1] = at, axis_len
+    cur = lax.dynamic_slice(a, start, size)
+    return lax.dynamic_update_slice(a, jnp.where(on, u[None].astype(a.dtype), cur), start)
+
+
+def _row_put_layer(a, u, i, entry, on, axis: int = 0):
+    return _row_window(a, u, i, entry, on, None, None, axis)
+
+
+def _row_put_rows(a, u, i, entry, on, start, axis: int):
+    return _row_window(a, u, i, entry, on, jnp.reshape(start, ()), u.shape[axis], axis)
+
+
+def _row_scatter_rows(a, u, i, entry, on, idx, valid, axis: int):
+    start = [jnp.int32(0)] * a.ndim
+    start[0], start[1] = i, entry
+    cur = lax.dynamic_slice(a, start, [1, 1] + list(a.shape[2:]))  # (the row's layer: a small buffer)
+    new = _scatter_rows(cur, u, 0, jnp.reshape(idx, (1, -1)), jnp.reshape(valid, (1, -1)) & on, axis)
+    return lax.dynamic_update_slice(a, new, start)
+
+
+#: each write of :class:`CacheSlot` for one row's entry of a chunk's shared buffer (:func:`_put_entries`):
+#: ``(a, u [b=1, ...], i, entry, on, *the write's per-row arguments, axis=)``
+_ROW_WRITES = {_put_layer: _row_put_layer, _put_rows: _row_put_rows, _scatter_rows: _row_scatter_rows}
 
 
 def where_own(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
