@@ -31,10 +31,10 @@ the engine lowers its programs under the mesh and :mod:`kernels.backend` wraps e
 (:mod:`polestar_jax.models.quant`; LLaDA-8B's 14.9 GiB of weights become 7.5 GiB); every row says its
 ``weights``. ``--fit-batch``: a batched program left out for want of HBM gets ``largest_fitting_batch``, the
 largest batch below its own that compiles and fits (predicted from XLA's bytes, compiled, and the batch above
-it shown not to fit; :func:`fit_batch`). ``--kv-cache int8`` stores the dual cache's K/V as int8 with a bf16
-scale per cached row and KV head (:mod:`polestar_jax.models.kv_quant`; ``DecodeConfig.kv_cache``); the
-``block_dual_*`` rows take it (the other decoders keep their caches in bf16 and their rows say ``float``);
-every row says its ``kv_cache``.
+it shown not to fit; :func:`fit_batch`). ``--kv-cache int8`` stores the K/V cache as int8 with a bf16 scale
+per cached row and KV head (:mod:`polestar_jax.models.kv_quant`; ``DecodeConfig.kv_cache``); the
+``block_dual_*`` and ``block_polestar_*`` rows take it (LLaDA's sampler keeps no cache: its rows say
+``float``); every row says its ``kv_cache``.
 
 ``--resume`` keeps the rows of an earlier ``--json FILE`` and compiles only the (program, target) pairs it
 lacks (keyed by program, target, weights and K/V cache; a long matrix on a busy machine, in several runs; the meta
@@ -156,14 +156,18 @@ def model_config(layers: Optional[int], smoke: bool):
 
 
 def kv_cache_of(program: str, kv_cache: str) -> str:
-    """The K/V cache storage program ``program`` compiles with when ``--kv-cache`` is ``kv_cache``: the dual
-    cache's programs take it, the others keep ``float`` (``DecodeConfig.kv_cache`` applies to fastdllm)."""
-    return kv_cache if _block_name(program)[0] == "dual" else "float"
+    """The K/V cache storage program ``program`` compiles with when ``--kv-cache`` is ``kv_cache``: the
+    decoders of :data:`polestar_jax.config.KV_INT8_DECODERS` take it (the dual cache's programs: fastdllm;
+    Polestar's), LLaDA's sampler keeps ``float`` (it has no cache)."""
+    from polestar_jax.config import KV_INT8_DECODERS
+
+    decoder = _block_name(program)[0]
+    return kv_cache if ("fastdllm" if decoder == "dual" else decoder) in KV_INT8_DECODERS else "float"
 
 
 def decode_config(decoder: str, cfg, kernels: str, kv_cache: str = "float"):
-    """The decode config of ``block_<decoder>_*``: LLaDA's sampler, the dual cache (threshold 0.9, its K/V
-    stored as ``kv_cache``) or Polestar (the family's knobs, ``kernels``)."""
+    """The decode config of ``block_<decoder>_*``: LLaDA's sampler, the dual cache (threshold 0.9) or
+    Polestar (the family's knobs, ``kernels``), the K/V of the last two stored as ``kv_cache``."""
     from polestar_jax.config import DecodeConfig
     from polestar_jax.models.family import FAMILIES
 
@@ -171,7 +175,7 @@ def decode_config(decoder: str, cfg, kernels: str, kv_cache: str = "float"):
         return DecodeConfig(decoder="llada", cache="none", gen_length=GEN, block_length=BLOCK, threshold=None)
     if decoder == "polestar":
         return DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK, threshold=0.9,
-                            polestar=FAMILIES[cfg.family].polestar_config(kernels=kernels))
+                            polestar=FAMILIES[cfg.family].polestar_config(kernels=kernels), kv_cache=kv_cache)
     return DecodeConfig(decoder="fastdllm", cache="dual", gen_length=GEN, block_length=BLOCK, threshold=0.9,
                         kv_cache=kv_cache)
 
@@ -195,7 +199,7 @@ def make_engine(cfg, mesh, weights: str = "bfloat16"):
 
 def compile_block(engine, name: str, kernels: str, batch: Optional[int] = None, kv_cache: str = "float"):
     """Program ``name`` compiled by ``engine`` (:meth:`Engine.block_program`): ``(compiled, seconds)``;
-    ``batch``: another batch than the name's (:func:`fit_batch`); ``kv_cache``: the dual cache's storage."""
+    ``batch``: another batch than the name's (:func:`fit_batch`); ``kv_cache``: the K/V cache's storage."""
     import jax.numpy as jnp  # noqa: F401  (jax is imported by now)
 
     from polestar_jax.engine.engine import running_spec
@@ -405,8 +409,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="the parameters: bfloat16, or int8 matmul weights with a bf16 scale per output channel "
                     "(polestar_jax.models.quant); each row says which")
     ap.add_argument("--kv-cache", default="float", choices=["float", "int8"],
-                    help="the dual cache's K/V storage: float (bf16) or int8 with a bf16 scale per cached row and "
-                    "KV head (polestar_jax.models.kv_quant); each row says which")
+                    help="the K/V cache's storage (the dual cache's and Polestar's rows): float (bf16) or int8 "
+                    "with a bf16 scale per cached row and KV head (polestar_jax.models.kv_quant); each row says which")
     ap.add_argument("--fit-batch", action="store_true", help="a batched program left out for want of HBM: "
                     "search the largest batch that fits (a few more compiles; key largest_fitting_batch)")
     ap.add_argument("--layers", type=int, default=None, help="LLaDA-8B layers built (default: all 32)")

@@ -649,7 +649,7 @@ CACHES = Cache.choices()
 #: K/V cache storage modes (:attr:`DecodeConfig.kv_cache`; :mod:`polestar_jax.models.kv_quant`).
 KV_CACHES = KVCache.choices()
 #: The decoders whose K/V cache may be stored as int8 (``kv_cache="int8"``).
-KV_INT8_DECODERS = ("fastdllm", "polestar_v")
+KV_INT8_DECODERS = ("fastdllm", "polestar", "polestar_v")
 REMASKING = Remasking.choices()
 
 
@@ -851,7 +851,8 @@ class DecodeConfig:
                       choices=CACHES, cli_default=None)
     kv_cache: KVCache = knob("float", "K/V cache storage: float (the model's dtype) or int8 (one scale per cached "
                                       "row and KV head: half the bytes of bfloat16; decoder fastdllm with "
-                                      "--cache prefix or dual, and polestar_v; docs/scaling.md#int8-kv-cache)",
+                                      "--cache prefix or dual, polestar and polestar_v; "
+                                      "docs/scaling.md#int8-kv-cache)",
                              choices=KV_CACHES)
     gen_length: int = knob(128, "tokens to generate", cli_default=None)
     block_length: int = knob(32, "tokens per block (decoded left to right)", cli_default=None)
@@ -933,8 +934,8 @@ class DecodeConfig:
             raise ConfigError(f"Polestar settings apply to decoder 'polestar' only, or 'polestar_v' (decoder is "
                               f"{self.decoder!r})")
         if self.kv_cache != "float" and (self.decoder not in KV_INT8_DECODERS or self.cache == "none"):
-            raise ConfigError(f"kv_cache {self.kv_cache} applies to decoder fastdllm with a cache (prefix or dual) "
-                              f"and polestar_v; "
+            raise ConfigError(f"kv_cache {self.kv_cache} applies to decoder fastdllm with a cache (prefix or dual), "
+                              f"polestar and polestar_v; "
                               f"decoder {self.decoder} with cache {self.cache} keeps "
                               + ("no K/V cache" if self.cache == "none" else "its K/V cache in the model's dtype"))
         if self.decoder == "polestar":

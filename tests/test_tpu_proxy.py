@@ -20,13 +20,14 @@ OOM = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, 
        "HLO temporaries (18.55G) exceeds available HBM (15.75G). HLO module: jit_decode_block.")
 
 
-def test_kv_cache_goes_to_the_dual_cache_rows():
-    """``--kv-cache int8`` applies to the dual cache's programs (DecodeConfig.kv_cache: decoder fastdllm); the
-    other decoders' rows keep the float cache, and their decode configs say so."""
+def test_kv_cache_goes_to_the_cached_decoders_rows():
+    """``--kv-cache int8`` applies to the dual cache's and Polestar's programs (DecodeConfig.kv_cache); LLaDA's
+    sampler keeps no cache, its rows say float; the decode configs say so."""
     cfg = tpu_proxy.model_config(None, smoke=True)
     assert [tpu_proxy.kv_cache_of(p, "int8") for p in ("block_dual_b32", "block_llada_b1", "block_polestar_running32")] \
-        == ["int8", "float", "float"]
+        == ["int8", "float", "int8"]
     assert tpu_proxy.decode_config("dual", cfg, "auto", "int8").kv_cache == "int8"
+    assert tpu_proxy.decode_config("polestar", cfg, "auto", "int8").kv_cache == "int8"
     rows = [{"program": "block_dual_b32", "target": "v5e:1x1", "mesh": "data=1,model=1", "weights": "int8",
              "kv_cache": "int8", "kernels": "none", "compile_seconds": 1.0, "per_device_bytes": 1 << 30,
              "hbm_bytes": 16 << 30, "fits": True, "mosaic_kernels": 0}]

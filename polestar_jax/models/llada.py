@@ -124,17 +124,8 @@ def attention_exact(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optiona
     int8 cache: its values converted inside the einsums, the keys' scales on the scores, the values' on the
     probabilities, :func:`polestar_jax.models.kv_quant.operand`)."""
     b, h, t, hd = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, kv, h // kv, t, hd)
-    k, k_scale = kv_quant.operand(k, q.dtype)
     v, v_scale = kv_quant.operand(v, q.dtype)
-    s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k, preferred_element_type=jnp.float32)
-    if k_scale is not None:
-        s = s * k_scale[:, :, None, None, :]
-    s = s / jnp.sqrt(jnp.float32(hd))
-    if key_valid is not None:
-        s = jnp.where(key_valid[:, None, None, None, :], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1)
+    p = jax.nn.softmax(attention_scores(q, k, key_valid), axis=-1)
     pv = p if v_scale is None else p * v_scale[:, :, None, None, :]
     o = jnp.einsum("bkgtl,bkld->bkgtd", pv.astype(v.dtype), v,
                    preferred_element_type=jnp.float32).astype(q.dtype)
@@ -142,6 +133,24 @@ def attention_exact(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optiona
     if return_probs:
         return o, p.reshape(b, h, t, -1)
     return o
+
+
+def attention_scores(q: jax.Array, k: Any, key_valid: Optional[jax.Array]) -> jax.Array:
+    """The scaled scores of queries ``q`` [b, H, T, hd] against keys ``k`` [b, KV, L, hd] per KV group:
+    [b, KV, H // KV, T, L] float32, padded keys (``key_valid`` [b, L] False) at a finite minus infinity.
+    ``k`` may be an int8 cache's layer: its values are converted inside the dot and its per-position scales
+    multiply the scores (:func:`polestar_jax.models.kv_quant.operand`)."""
+    b, h, t, hd = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, kv, h // kv, t, hd)
+    k, k_scale = kv_quant.operand(k, q.dtype)
+    s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k, preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        s = s * k_scale[:, :, None, None, :]
+    s = s / jnp.sqrt(jnp.float32(hd))
+    if key_valid is not None:
+        s = jnp.where(key_valid[:, None, None, None, :], s, _NEG)
+    return s
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.Array],

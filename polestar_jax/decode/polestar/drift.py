@@ -15,15 +15,16 @@ The decode step computes both KLs with the fused :func:`polestar_jax.kernels.kl_
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from polestar_jax.models.llada import LayerParams
+from polestar_jax.kernels.backend import dispatch
+from polestar_jax.kernels.kl_drift import _kl_drift_pallas, kl_drift, kl_terms
+from polestar_jax.models import kv_quant
+from polestar_jax.models.llada import LayerParams, attention_scores
 from polestar_jax.config import ModelConfig
-
-_NEG = -1e30
 
 
 def proxy_queries(lp: LayerParams, centroids: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -41,7 +42,8 @@ def proxy_inputs(lp: LayerParams, centroids: jax.Array, k_unrot: jax.Array, cfg:
     ``"mean"`` (Dream) the queries averaged over the H heads and the keys over the KV heads (H' = KV' = 1),
     so one softmax per cluster."""
     q = proxy_queries(lp, centroids, cfg)
-    if mode == "mean":
+    if mode == "mean":  # (an int8 cache's keys: the head mean of the dequantized ones; scales differ per head)
+        k_unrot = kv_quant.read(k_unrot)
         return (jnp.mean(q.astype(jnp.float32), axis=1, keepdims=True).astype(q.dtype),
                 jnp.mean(k_unrot.astype(jnp.float32), axis=1, keepdims=True).astype(k_unrot.dtype))
     return q, k_unrot
@@ -51,18 +53,41 @@ def proxy_attention(lp: LayerParams, centroids: jax.Array, k_unrot: jax.Array, c
                     key_valid: Optional[jax.Array], mode: str = "heads") -> jax.Array:
     """Attention of the centroids as queries against all cached keys.
 
-    centroids [b, K, D]; k_unrot [b, KV, L, hd] (keys before RoPE); key_valid [b, L].
+    centroids [b, K, D]; k_unrot [b, KV, L, hd] (keys before RoPE; an int8 cache's layer is read in the
+    scores, :func:`polestar_jax.models.llada.attention_scores`); key_valid [b, L].
     Returns S [b, H', K, L] float32 (H' = H, or 1 for ``mode="mean"``: :func:`proxy_inputs`).
     """
-    b, k, _ = centroids.shape
     q, k_unrot = proxy_inputs(lp, centroids, k_unrot, cfg, mode)
-    kv, h = k_unrot.shape[1], q.shape[1]
-    qg = q.reshape(b, kv, h // kv, k, cfg.head_dim)
-    s = jnp.einsum("bkgtd,bkld->bkgtl", qg, k_unrot, preferred_element_type=jnp.float32)
-    s = s / jnp.sqrt(jnp.float32(cfg.head_dim))
-    if key_valid is not None:
-        s = jnp.where(key_valid[:, None, None, None, :], s, _NEG)
-    return jax.nn.softmax(s, axis=-1).reshape(b, h, k, -1)
+    return proxy_probs(q, k_unrot, key_valid)
+
+
+def proxy_probs(q: jax.Array, k: Any, key_valid: Optional[jax.Array]) -> jax.Array:
+    """The softmax of :func:`~polestar_jax.models.llada.attention_scores`: [b, H, T, L] float32."""
+    b, h, t, _ = q.shape
+    return jax.nn.softmax(attention_scores(q, k, key_valid), axis=-1).reshape(b, h, t, -1)
+
+
+def cluster_drift(q: jax.Array, k: Any, key_valid: Optional[jax.Array], s_prev: jax.Array,
+                  backend: str) -> tuple[jax.Array, jax.Array]:
+    """The cluster drift of the proxy queries ``q`` [b, H', K, hd] against the layer's un-rotated keys ``k``:
+    :func:`polestar_jax.kernels.kl_drift.kl_drift` (``mode="cluster"``), whose keys may be an int8 cache's
+    layer. Then the jnp path reads the int8 values in the scores (a key's scale factors out of its dot), and
+    a kernel takes the layer's keys dequantized (one layer, its float operand). Returns (drift [b, K], the
+    proxy attention [b, H', K, L])."""
+    if not kv_quant.is_int8(k):
+        return kl_drift(q, k, key_valid, s_prev, mode="cluster", backend=backend)
+
+    def reference(q, k, key_valid, s_prev):
+        p = proxy_probs(q, k, key_valid)
+        kl = jnp.sum(kl_terms(p, s_prev.astype(jnp.float32), "cluster"), axis=-1)
+        return jnp.mean(jnp.maximum(kl, 0.0), axis=1), p
+
+    def pallas(flavor, interpret):
+        return lambda q, k, key_valid, s_prev: _kl_drift_pallas(q, kv_quant.read(k), key_valid, s_prev,
+                                                               mode="cluster", flavor=flavor, interpret=interpret)
+
+    return dispatch("kl_drift", backend, (q, k, key_valid, s_prev), reference=reference, pallas=pallas,
+                    interpret_flavor="triton")
 
 
 def drift_delta(d: jax.Array, hist: jax.Array, fill: jax.Array) -> jax.Array:

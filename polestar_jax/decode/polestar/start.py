@@ -14,6 +14,7 @@ from polestar_jax.decode.polestar import offload
 from polestar_jax.decode.polestar.cluster import Clusters, KMeansDraws, cluster_windows
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.decode.polestar.drift import proxy_attention
+from polestar_jax.models import kv_quant
 from polestar_jax.models.family import family_of
 from polestar_jax.kernels.refresh import scatter_kv_rows
 from polestar_jax.models.llada import Rope, attention_exact, layer_scan, own_rows
@@ -83,6 +84,31 @@ def kept_outside_window(state: DecodeState, geo: Geometry, pc: PolestarConfig, b
     return jnp.broadcast_to(jnp.reshape(keep, (-1, 1)), (b, length)) & ~written
 
 
+class StartWrite:
+    """A block-start pass's :func:`~polestar_jax.models.llada.layer` ``write`` into the layer's K/V ``old``
+    (read before the layer writes it): ``put(old, new, backend)`` places the rows' fresh K/V ``new`` [b, KV,
+    T, hd] into the layer's ``old`` [b, KV, L, hd] (a select of the kept entries, a row scatter with the
+    kernels ``backend``). With a float cache the layer attends to what is written and stores it. With an
+    int8 cache the layer attends to float K/V (the cached entries dequantized, the fresh ones as computed:
+    as the full pass of a fresh cache does) and ``stored`` holds the layer the cache keeps: the fresh rows
+    quantized, the kept entries' int8 values and scales as they were (re-quantizing their dequantized
+    values would move them)."""
+
+    def __init__(self, old, put, backend: str = "reference"):
+        self.old, self.put, self.backend, self.stored = old, put, backend, None
+
+    def __call__(self, k, v):
+        if kv_quant.is_int8(self.old[0]):  # (the int8 parts written with jnp: a kernel takes float rows)
+            stored = jax.tree.map(lambda o, n: self.put(o, n, "reference"), self.old,
+                                  kv_quant.stored_like(self.old, (k, v)))
+            # the layer's new buffers made once, before anything else reads them: every read of the old
+            # layer then precedes its in-place write (else XLA copied the whole int8 cache, K and V, values and
+            # scales, every layer); the attention's float K/V are the written ones with the fresh rows unrounded
+            self.stored = lax.optimization_barrier(stored)
+            return tuple(self.put(kv_quant.read(o), n, self.backend) for o, n in zip(self.stored, (k, v)))
+        return tuple(self.put(o, n, self.backend) for o, n in zip(self.old, (k, v)))
+
+
 def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: PolestarConfig, block: int,
                windowed: bool, unroll: int | bool = 1, keep=None, skip=None) -> PassOut:
     """The block-start forward: full sequence (``windowed=False``) or the window only (``windowed=True``,
@@ -112,18 +138,18 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
         hs = rows_at(h, rows.store_rows)  # [b, R, D]
         write = None
         if kept is not None:  # (the K/V cache rides in the scan's carry: model.layer_scan)
-            write = lambda k, v: (jnp.where(kept, kv[0], k), jnp.where(kept, kv[1], v))
+            write = StartWrite(kv, lambda old, new, backend: jnp.where(kept, old, new))
         if windowed:
             # (the K/V cache rides in the scan's carry: model.layer_scan)
-            write = lambda k, v: (scatter_kv_rows(kv[0], k, rows.write_idx, write_valid, backend=pc.kernels),
-                                  scatter_kv_rows(kv[1], v, rows.write_idx, write_valid, backend=pc.kernels))
+            write = StartWrite(kv, lambda old, new, backend: scatter_kv_rows(old, new, rows.write_idx, write_valid,
+                                                                             backend=backend), pc.kernels)
         # (no [T, L] probabilities: the pass's attention is the one a plain forward runs, fused where the
         # platform has it; the drift needs the last layer's block rows only: their queries ride in the carry)
         out = fam.layer(lp, h, cfg, q_rope, k_rope, state.key_valid, write=write)
         q_blk = lax.dynamic_slice_in_dim(out.q_rot, rows.block_offset, block, axis=2)
         stored, scale = offload.encode(hs, pc)
         return (out.h, q_blk), (offload.to_host(stored, pc), offload.to_host(scale, pc), hs), \
-            (out.keys.k, out.keys.v)
+            (out.keys.k, out.keys.v) if write is None or write.stored is None else write.stored
 
     h0 = fam.embed(params, rows.ids)
     q0 = jnp.zeros((b, cfg.n_heads, block, cfg.head_dim), h0.dtype)
@@ -132,8 +158,10 @@ def start_pass(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc: 
                                                         (state.k_cache, state.v_cache), unroll=unroll)
     # the token drift's baseline: the last layer's attention of the block rows [b, H, B, L], once, the exact way,
     # against that layer's keys and values as the pass wrote them (the cache keeps Polestar's keys un-rotated)
-    k_last, v_last = own_rows(kk[-1]), own_rows(vv[-1])
-    p_blk = attention_exact(q_blk, k_rope.rotate(k_last), v_last, state.key_valid, return_probs=True)[1]
+    # (an int8 cache: the keys dequantized before RoPE, the values read in the attention)
+    k_last, v_last = (jax.tree.map(lambda a: own_rows(a[-1]), c) for c in (kk, vv))
+    p_blk = attention_exact(q_blk, k_rope.rotate(kv_quant.read(k_last)), v_last, state.key_valid,
+                            return_probs=True)[1]
     logits = fam.head_at(params, h, cfg, rows.block_offset, block)
     return PassOut(kk, vv, hs, hs_sc, raw, p_blk, logits)
 
@@ -148,7 +176,7 @@ def cluster_layers(params, out: PassOut, state: DecodeState, geo: Geometry, cfg:
 
     def layer(_, xs):
         lp, hs, k, d_pre, d_suf = xs
-        k = own_rows(k)  # (a running batch's rows share the cache: llada.CacheSlot)
+        k = jax.tree.map(own_rows, k)  # (a running batch's rows share the cache: llada.CacheSlot)
         cl = jax.vmap(lambda xp, pl, xs_, sl, a, c: cluster_windows(xp, pl, xs_, sl, a, c, pc.n_clusters,
                                                                     pc.kmeans_iters))(
             hs[:, :pre], geo.pre_len, hs[:, pre:], geo.suf_len, d_pre, d_suf)

@@ -28,10 +28,11 @@ from polestar_jax.decode.commit import Prediction, rank_desc
 from polestar_jax.decode.polestar.compaction import (by_width, chosen_width, compact, complement_widths, spread_rows, store_widths,
                                                      take_rows, widths)
 from polestar_jax.config import ModelConfig, PolestarConfig
-from polestar_jax.decode.polestar.drift import proxy_inputs
+from polestar_jax.decode.polestar.drift import cluster_drift, proxy_inputs
 from polestar_jax.models.family import Family, family_of
 from polestar_jax.kernels.kl_drift import kl_drift
 from polestar_jax.kernels.refresh import centroid_shift, scatter_is_reference, scatter_kv_rows
+from polestar_jax.models import kv_quant
 from polestar_jax.models.llada import CacheSlot, Keys, Rope, layer_scan, slice_write
 from polestar_jax.decode.polestar.offload import encode, fetch_rows, uses_host, write_rows
 from polestar_jax.decode.polestar.state import Geometry, rows_at
@@ -256,7 +257,8 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
     # K/V of every packet row (LLaDA), or only of those clustered here, as the store patch (Dream)
     wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
     pk_k, pk_v = k[:, :, ctx.block:], v[:, :, ctx.block:]
-    if scatter_is_reference(pc.kernels, k.dtype):  # the rows written into the stacked cache in place
+    # the rows written into the stacked cache in place (an int8 cache's always: its rows are quantized)
+    if kv_quant.is_int8(slot.buffers[0]) or scatter_is_reference(pc.kernels, k.dtype):
         slot = write.slot.scatter_rows((pk_k, pk_v), ctx.ref_idx, wvalid, axis=2)
         kk, vv = slot.layer()
     else:  # a row-scatter kernel writes into the layer's cache (copied out, written back whole)
@@ -279,7 +281,7 @@ def select_clusters(ctx: StepCtx, xs: LayerIn, pk: Packet) -> Selection:
     """The cluster drift of the (shifted) centroids against the updated cache, and the top clusters."""
     kdim = ctx.pc.n_clusters
     qc, kc = proxy_inputs(xs.lp, pk.centroids, pk.k, ctx.cfg, ctx.pc.proxy_score)
-    score, s = kl_drift(qc, kc, ctx.key_valid, xs.s_prev, mode="cluster", backend=ctx.pc.kernels)
+    score, s = cluster_drift(qc, kc, ctx.key_valid, xs.s_prev, ctx.pc.kernels)
     score = jnp.where(jnp.arange(kdim)[None] < xs.n_clusters[:, None], score, -jnp.inf)
     m = jnp.where(xs.index == ctx.cfg.n_layers - 1, ctx.pc.top_k_last, ctx.pc.top_k)
     own = top_clusters(score, xs.n_clusters, m)
@@ -340,7 +342,8 @@ def refresh_layer(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
     sel = select_clusters(ctx, xs, pk)
     s_prev = jnp.where(ctx.cluster_rows[:, None, None, None], sel.s_new, xs.s_prev)
     inputs, n_fetch = fetch_selected(ctx, carry, xs, pk, sel, dt)
-    keys = Keys(pk.k, pk.v, ctx.k_rope.rotate(pk.k))  # (rotated once, outside the stage branches)
+    # (rotated once, outside the stage branches; an int8 cache's keys dequantized first)
+    keys = Keys(pk.k, pk.v, ctx.k_rope.rotate(kv_quant.read(pk.k)))
     out_blk, pk_out, q_blk = refresh_rows(ctx, xs, carry.h_blk, inputs, sel.rows, keys)
     stats = LayerStats(sel.scores, sel.chosen, sel.own & ctx.cluster_rows[:, None],
                        jnp.sum(sel.rows, axis=1).astype(jnp.int32), pk.n_read, n_fetch)
