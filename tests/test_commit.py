@@ -226,6 +226,12 @@ def test_one_pass_top1_equals_the_two_pass_form():
     pred = C.predict(logits, jnp.ones(logits.shape[:2], bool), MASK)
     np.testing.assert_array_equal(np.asarray(pred.x0), x_two)
     np.testing.assert_array_equal(np.asarray(pred.conf), p_two)
+    # sampling: the argmax of perturbed scores, the probability under the un-perturbed softmax
+    scored = logits + 2.0 * jnp.asarray(rng.gumbel(size=logits.shape).astype(np.float32))
+    x_two, p_two = map(np.asarray, C.top1_two_pass(scored, not_mask, logits))
+    x_one, p_one = map(np.asarray, jax.jit(C.top1_one_pass)(scored, not_mask, logits))
+    np.testing.assert_array_equal(x_one, x_two)
+    np.testing.assert_allclose(p_one, p_two, rtol=1e-5, atol=1e-30)
 
 
 def test_predict_with_noise_never_returns_mask():

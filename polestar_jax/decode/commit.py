@@ -56,11 +56,8 @@ def predict(
         noise = gumbel_noise(noise_keys, logits.shape[1:])
     if noise is not None:
         scored = logits + jnp.asarray(temperature, jnp.float32) * noise
-    if noise is None:
-        # (the greedy case: one pass over the logits on an accelerator, two on the CPU: docs/kernels.md)
-        x0, prob = jax.lax.platform_dependent(logits, not_mask, cpu=top1_two_pass, default=top1_one_pass)
-    else:
-        x0, prob = top1_two_pass(scored, not_mask, logits)
+    # (one pass over the logits on an accelerator, two on the CPU: docs/kernels.md#on-a-gpu)
+    x0, prob = jax.lax.platform_dependent(scored, not_mask, logits, cpu=top1_two_pass, default=top1_one_pass)
     conf = prob
     if random_remask:
         conf = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), masked.shape[1:]))(noise_keys)
@@ -83,28 +80,31 @@ def top1_two_pass(scored: jax.Array, not_mask: jax.Array, logits: Optional[jax.A
     return x0, jnp.exp(lx - m[..., 0] - lse)
 
 
-def top1_one_pass(logits: jax.Array, not_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """:func:`top1_two_pass` of the un-perturbed ``logits`` [b, T, V] float32 in one pass over the vocabulary:
-    a single variadic reduction carries the allowed maximum and its id, the overall maximum and the sum of
-    exponentials rescaled to it (an online softmax), so a GPU or TPU reads the [b, T, V] logits once where
-    the two-pass form reads them twice (the LM head's output is the largest activation of a step: 0.5 GB
-    at batch 32 with LLaDA-8B's vocabulary). Equal to :func:`top1_two_pass` up to float rounding of the
-    probability (the same ``x0``, ties included)."""
-    v = logits.shape[-1]
+def top1_one_pass(scored: jax.Array, not_mask: jax.Array, logits: Optional[jax.Array] = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """:func:`top1_two_pass` in one pass over the vocabulary: a single variadic reduction carries the allowed
+    maximum of ``scored`` [b, T, V] and its id and logit, the overall maximum of ``logits`` (default:
+    ``scored``) and the sum of exponentials rescaled to it (an online softmax), so a GPU or TPU reads the
+    [b, T, V] logits once where the two-pass form reads them twice (the LM head's float32 output is the
+    largest activation of a step: 0.5 GB at batch 32 with LLaDA-8B's vocabulary). Equal to
+    :func:`top1_two_pass` up to float rounding of the probability (the same ``x0``, ties included)."""
+    logits = scored if logits is None else logits
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    allowed = jnp.where(not_mask, logits, -jnp.inf)
+    allowed = jnp.where(not_mask, scored, -jnp.inf)
 
     def combine(a, b):
-        (va, ia, ma, sa), (vb, ib, mb, sb) = a, b
+        (va, ia, la, ma, sa), (vb, ib, lb, mb, sb) = a, b
         take_b = (vb > va) | ((vb == va) & (ib < ia))
         m = jnp.maximum(ma, mb)
         scale = lambda mx, s: jnp.where(mx == -np.inf, 0.0, s * jnp.exp(mx - m))  # (no closed-over arrays)
-        return (jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia), m, scale(ma, sa) + scale(mb, sb))
+        return (jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia), jnp.where(take_b, lb, la), m,
+                scale(ma, sa) + scale(mb, sb))
 
-    init = (np.float32(-np.inf), np.int32(v), np.float32(-np.inf), np.float32(0))
-    best, x0, m, s = jax.lax.reduce((allowed, ids, logits, jnp.ones_like(logits)), init, combine,
-                                    (logits.ndim - 1,))
-    return x0, jnp.exp(best - m) / s
+    ninf = np.float32(-np.inf)
+    init = (ninf, np.int32(logits.shape[-1]), ninf, ninf, np.float32(0))
+    _, x0, lx, m, s = jax.lax.reduce((allowed, ids, logits, logits, jnp.ones_like(logits)), init, combine,
+                                     (logits.ndim - 1,))
+    return x0, jnp.exp(lx - m) / s
 
 
 def gumbel_noise(keys: jax.Array, shape: tuple) -> jax.Array:
