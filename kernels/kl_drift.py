@@ -265,8 +265,11 @@ def _mosaic_vmem_limit(bt, length, hd, bl, q_dtype, k_dtype) -> Optional[int]:
     return int(min(est * 5 // 4, _VMEM_CAP))
 
 
-def _kl_drift_pallas(q, k, key_valid, p_prev, *, mode: str, flavor: str, interpret, block_t=None, block_l=None):
-    """The Pallas kernel of a flavour; returns (drift [b, T], p_new [b, H, T, L])."""
+def kl_drift_pallas(q, k, key_valid, p_prev, *, mode: str, flavor: str, interpret, block_t=None, block_l=None):
+    """The Pallas kernel of a flavour (``"triton"`` or ``"mosaic"``; ``interpret``: run by the interpreter) on
+    the operands of :func:`kl_drift`, without its dispatch: for callers that build their own (the cluster
+    drift over an int8 cache's layer, ``polestar_jax.decode.polestar.drift.cluster_drift``). Returns (drift
+    [b, T], p_new [b, H, T, L])."""
     b, h, t, hd = q.shape
     kv, length = k.shape[1], k.shape[2]
     g = h // kv
@@ -336,7 +339,7 @@ def kl_drift(q: jax.Array, k: jax.Array, key_valid: Optional[jax.Array], p_prev:
         backend = "interpret"
 
     def pallas(fl, interp):
-        return functools.partial(_kl_drift_pallas, mode=mode, flavor=fl, interpret=interp,
+        return functools.partial(kl_drift_pallas, mode=mode, flavor=fl, interpret=interp,
                                  block_t=block_t, block_l=block_l)
 
     ref = functools.partial(kl_drift_reference, mode=mode)

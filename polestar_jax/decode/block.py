@@ -153,17 +153,13 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     policy = policy_for(spec.decoder)
     b, w = state.x.shape[0], spec.compact_rows
     st_axes = axes_of(state)
-    # (the rows share the K/V cache, never gathered: a chunk's rows read and write their own entries,
-    # llada.chunk_entries)
-    s_ax = _shared_cache(jax.tree.map(lambda ax: ax.batch, st_axes))
+    s_ax = _shared_cache(jax.tree.map(lambda ax: ax.batch, st_axes))  # (its rows' entries: llada.chunk_entries)
     r_ax = None if replay is None else jax.tree.map(lambda ax: ax.batch, axes_of(replay))
     k_ax = jax.tree.map(lambda a: 0 if jnp.ndim(a) else None, knobs)
     c_ax = _RowCtx(0, 0, 0, 0)
     rows = lambda f, in_axes, out_axes: jax.vmap(f, in_axes=in_axes, out_axes=out_axes, axis_name=ROWS)
     old = _split_rows(state, st_axes, b, shared=True)
     rep = None if replay is None else _split_rows(replay, axes_of(replay), b)
-    chunk_vmap = lambda f, in_axes, out_axes, idx, on: lambda *a: _with_chunk(
-        idx, on, b, lambda: rows(f, in_axes, out_axes)(*a))
 
     def ctx_of(rc: _RowCtx, k, r) -> BlockCtx:
         return BlockCtx(params, spec, k, r, rc.block_idx, rc.cs, rc.n_masked0, rc.live)
@@ -175,6 +171,11 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
 
     rc = rows(row_ctx, (s_ax, k_ax, r_ax), c_ax)(old, knobs, rep)
 
+    def on_chunk(f, s, idx, on, out_axes):  # f(s, c, k, r, on) over the chunk's rows, the K/V cache shared
+        return _with_chunk(idx, on, b, lambda: rows(f, (s_ax, c_ax, k_ax, r_ax, 0), out_axes)(
+            _take_chunk(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
+            None if rep is None else _take(rep, r_ax, idx), on))
+
     def begin(s, c, k, r, on):  # the block start of the rows ``on`` of a chunk; the others as they were
         ctx = ctx_of(c._replace(live=c.live & on), k, r)
         new = lax.cond(batch_any(on), lambda s: policy.start(ctx, s), lambda s: s, s)
@@ -182,20 +183,13 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
         keep = lambda n, o: jnp.where(on.reshape((1,) * n.ndim), n, o)
         return jax.tree.map(keep, _no_cache(new), _no_cache(s)).replace(k_cache=new.k_cache, v_cache=new.v_cache)
 
-    s = _chunked(old, rc.live, w, lambda s, idx, on: _put_chunk(s, s_ax, idx, chunk_vmap(
-        begin, (s_ax, c_ax, k_ax, r_ax, 0), s_ax, idx, on)(
-        _take_chunk(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
-        None if rep is None else _take(rep, r_ax, idx), on)))
+    s = _chunked(old, rc.live, w, lambda s, idx, on: _put_chunk(s, s_ax, idx, on_chunk(begin, s, idx, on, s_ax)))
     bound = policy.bound(context(params, state, 0, knobs, replay, spec))
     stats = rows(lambda c, k, r: policy.empty_stats(ctx_of(c, k, r), bound), (c_ax, k_ax, r_ax), 1)(rc, knobs, rep)
 
     def active(s, i):  # [b, 1]
         return rows(lambda s, c, k, r: policy.active(ctx_of(c, k, r), s, i) & c.live,
                     (s_ax, c_ax, k_ax, r_ax), 0)(s, rc, knobs, rep)
-
-    def step(s, c, k, r, a, i, idx):
-        return chunk_vmap(lambda s, c, k, r, a: policy.step(ctx_of(c, k, r), s, i, a),
-                          (s_ax, c_ax, k_ax, r_ax, 0), (s_ax, 0), idx, a)(s, c, k, r, a)
 
     def cond(carry):
         s, i, _ = carry
@@ -207,8 +201,7 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
 
         def chunk(carry, idx, on):
             s, st_all = carry
-            sub, st = step(_take_chunk(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
-                           None if rep is None else _take(rep, r_ax, idx), on, i, idx)
+            sub, st = on_chunk(lambda s, c, k, r, a: policy.step(ctx_of(c, k, r), s, i, a), s, idx, on, (s_ax, 0))
             if st is not None:  # (a position that took part as inactive keeps what an earlier chunk recorded)
                 zero = jax.tree.map(lambda _: 0, st)
                 keep = lambda v, old: jnp.where(on.reshape(on.shape + (1,) * (v.ndim - 2)), v, old)

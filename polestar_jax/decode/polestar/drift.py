@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from polestar_jax.kernels.backend import dispatch
-from polestar_jax.kernels.kl_drift import _kl_drift_pallas, kl_drift, kl_terms
+from polestar_jax.kernels.kl_drift import kl_drift, kl_drift_pallas, kl_terms
 from polestar_jax.models import kv_quant
 from polestar_jax.models.llada import LayerParams, attention_scores
 from polestar_jax.config import ModelConfig
@@ -83,8 +83,8 @@ def cluster_drift(q: jax.Array, k: Any, key_valid: Optional[jax.Array], s_prev: 
         return jnp.mean(jnp.maximum(kl, 0.0), axis=1), p
 
     def pallas(flavor, interpret):
-        return lambda q, k, key_valid, s_prev: _kl_drift_pallas(q, kv_quant.read(k), key_valid, s_prev,
-                                                               mode="cluster", flavor=flavor, interpret=interpret)
+        return lambda q, k, key_valid, s_prev: kl_drift_pallas(q, kv_quant.read(k), key_valid, s_prev,
+                                                              mode="cluster", flavor=flavor, interpret=interpret)
 
     return dispatch("kl_drift", backend, (q, k, key_valid, s_prev), reference=reference, pallas=pallas,
                     interpret_flavor="triton")
