@@ -148,8 +148,9 @@ def _chunked(carry, mask: jax.Array, w: int, fn):
 def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: EngineSpec):
     """:func:`row_block` for every row of a running batch (``spec.per_row``), its start on the live rows
     only and each step on the rows still active only, gathered in chunks of ``spec.compact_rows`` rows
-    (:func:`_chunked`) and scattered back: a row computes what it computes in a full-width call (its values
-    are functions of its own state); free slots cost no block start, and finished rows no step."""
+    (:func:`_chunked`) and scattered back but for the K/V cache, whose own entries they read and write in place
+    (``llada.chunk_entries``): a row computes what it computes in a full-width call (its values are functions
+    of its own state); free slots cost no block start, and finished rows no step."""
     policy = policy_for(spec.decoder)
     b, w = state.x.shape[0], spec.compact_rows
     st_axes = axes_of(state)
@@ -172,9 +173,9 @@ def _compacted_block(params, state: DecodeState, knobs: Knobs, replay, spec: Eng
     rc = rows(row_ctx, (s_ax, k_ax, r_ax), c_ax)(old, knobs, rep)
 
     def on_chunk(f, s, idx, on, out_axes):  # f(s, c, k, r, on) over the chunk's rows, the K/V cache shared
-        return _with_chunk(idx, on, b, lambda: rows(f, (s_ax, c_ax, k_ax, r_ax, 0), out_axes)(
-            _take_chunk(s, s_ax, idx), _take(rc, c_ax, idx), _take(knobs, k_ax, idx),
-            None if rep is None else _take(rep, r_ax, idx), on))
+        with chunk_entries(idx, on, b):
+            return rows(f, (s_ax, c_ax, k_ax, r_ax, 0), out_axes)(_take_chunk(s, s_ax, idx), _take(rc, c_ax, idx),
+                                                                  _take(knobs, k_ax, idx), _take(rep, r_ax, idx), on)
 
     def begin(s, c, k, r, on):  # the block start of the rows ``on`` of a chunk; the others as they were
         ctx = ctx_of(c._replace(live=c.live & on), k, r)
@@ -238,13 +239,6 @@ def _take_chunk(s: DecodeState, s_ax, idx) -> DecodeState:
 def _put_chunk(s: DecodeState, s_ax, idx, sub: DecodeState) -> DecodeState:
     """:func:`_put` of a chunk's state; its K/V cache is the rows' shared one as the chunk wrote it."""
     return _put(_no_cache(s), s_ax, idx, _no_cache(sub)).replace(k_cache=sub.k_cache, v_cache=sub.v_cache)
-
-
-def _with_chunk(idx, on, total: int, fn):
-    """``fn()`` traced with the chunk's rows ``idx`` [w] (those ``on`` [w, 1] taking part) as the entries of the
-    K/V cache the rows share (:func:`polestar_jax.models.llada.chunk_entries`)."""
-    with chunk_entries(idx, on, total):
-        return fn()
 
 
 def _reshape_rows(tree, axes_tree, shape_of, spec: Optional[EngineSpec] = None, shared: bool = False):

@@ -541,33 +541,29 @@ def _put_entries(write: Callable, axis: int):
     return put
 
 
-def _row_window(a, u, i, entry, on, at, axis_len, axis: int):
-    """``a`` with the window of layer ``i``, entry ``entry`` [1, 1, ...] that starts at ``at`` (length
-    ``axis_len`` along ``axis`` of a layer's buffer; the whole buffer when None) replaced by ``u`` [1, ...]
-    where ``on``."""
+def _row_update(a, i, entry, fn, axis: int = 0, at=None, length: Optional[int] = None):
+    """``a`` [N, B, ...] with the window of layer ``i``, entry ``entry`` ([1, 1, ...]: the entry's whole layer,
+    or ``length`` positions from ``at`` along ``axis`` of a layer's buffer) replaced by ``fn(window)``, in place."""
     start = [jnp.int32(0)] * a.ndim
     start[0], start[1] = i, entry
     size = [1, 1] + list(a.shape[2:])
     if at is not None:
-        start[axis + 1], size[axis + 1] = at, axis_len
-    cur = lax.dynamic_slice(a, start, size)
-    return lax.dynamic_update_slice(a, jnp.where(on, u[None].astype(a.dtype), cur), start)
+        start[axis + 1], size[axis + 1] = jnp.reshape(at, ()), length
+    return lax.dynamic_update_slice(a, fn(lax.dynamic_slice(a, start, size)), start)
 
 
 def _row_put_layer(a, u, i, entry, on, axis: int = 0):
-    return _row_window(a, u, i, entry, on, None, None, axis)
+    return _row_update(a, i, entry, lambda cur: jnp.where(on, u[None].astype(a.dtype), cur))
 
 
 def _row_put_rows(a, u, i, entry, on, start, axis: int):
-    return _row_window(a, u, i, entry, on, jnp.reshape(start, ()), u.shape[axis], axis)
+    return _row_update(a, i, entry, lambda cur: jnp.where(on, u[None].astype(a.dtype), cur), axis, start,
+                       u.shape[axis])
 
 
 def _row_scatter_rows(a, u, i, entry, on, idx, valid, axis: int):
-    start = [jnp.int32(0)] * a.ndim
-    start[0], start[1] = i, entry
-    cur = lax.dynamic_slice(a, start, [1, 1] + list(a.shape[2:]))  # (the row's layer: a small buffer)
-    new = _scatter_rows(cur, u, 0, jnp.reshape(idx, (1, -1)), jnp.reshape(valid, (1, -1)) & on, axis)
-    return lax.dynamic_update_slice(a, new, start)
+    return _row_update(a, i, entry, lambda cur: _scatter_rows(cur, u, 0, jnp.reshape(idx, (1, -1)),
+                                                              jnp.reshape(valid, (1, -1)) & on, axis))
 
 
 #: each write of :class:`CacheSlot` for one row's entry of a chunk's shared buffer (:func:`_put_entries`):
@@ -577,7 +573,10 @@ _ROW_WRITES = {_put_layer: _row_put_layer, _put_rows: _row_put_rows, _scatter_ro
 
 def where_own(pred: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     """Per batch row of stacked buffers ``new`` / ``old`` [N, b, ...]: ``new`` where ``pred`` [b], else ``old``;
-    under the rows ``vmap`` of a running batch, buffers shared by the rows stay shared (see :class:`CacheSlot`)."""
+    under the rows ``vmap`` of a running batch, buffers shared by the rows stay shared (see :class:`CacheSlot`;
+    not for a chunk's rows, :func:`chunk_entries`, which write only through :func:`put_own`)."""
+    if _chunk() is not None:
+        raise NotImplementedError("where_own on a chunk's shared buffers: write them through put_own")
     return _where_own(pred, new, old) if _shared(new, pred.shape[0]) else _where_rows(pred, new, old)
 
 
