@@ -28,13 +28,18 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # (The cache key includes the cache folder path, so subprocesses must get this same path.) The settings also
 # go into the environment, so the pytest-xdist workers, started after this runs in the controlling process,
 # share the cache: a program one worker compiled is read by the other.
+# Only programs that took CACHE_MIN_COMPILE_SECS or more to compile are written (the ones worth sharing): far
+# fewer executables serialized. Twice a CI worker died of a native crash in a test that compiles, once inside
+# XLA's executable serializer writing a cache entry (the other's stack was not kept); a hedge, not a cure.
+CACHE_MIN_COMPILE_SECS = 1.0
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _CACHE_DIR = tempfile.mkdtemp(prefix="polestar_jax_test_cc_")
     atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE_DIR, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(CACHE_MIN_COMPILE_SECS),
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECS)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +122,8 @@ def subprocess_env() -> dict:
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     cache_dir = jax.config.jax_compilation_cache_dir
     if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(CACHE_MIN_COMPILE_SECS),
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 

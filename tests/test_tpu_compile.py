@@ -175,8 +175,9 @@ def test_kernel_compiles_for_tpu(case, tpu):
         assert sum(names.values()) == 1, names
 
 
-def _block_program(sharding, dtype, per_row: bool):
-    """The optimized TPU HLO of a tiny Polestar block program (2 layers, GQA 4 -> 2, prompt 13, block 8)."""
+def _block_program(sharding, dtype, per_row: bool, kv_cache: str = "float"):
+    """The optimized TPU HLO of a tiny Polestar block program (2 layers, GQA 4 -> 2, prompt 13, block 8) and
+    the shape of its stacked K cache."""
     from polestar_jax.config import DecodeConfig, ModelConfig
     from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
     from polestar_jax.models import llada as M
@@ -187,7 +188,7 @@ def _block_program(sharding, dtype, per_row: bool):
 
     cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=96, vocab_size=64,
                       embedding_size=64, mask_token_id=63, eos_token_id=62, pad_token_id=62, max_sequence_length=128)
-    dcfg = DecodeConfig(decoder="polestar", gen_length=32, block_length=8)
+    dcfg = DecodeConfig(decoder="polestar", gen_length=32, block_length=8, kv_cache=kv_cache)
     spec = dataclasses.replace(EngineSpec.from_config(cfg, dcfg), per_row=per_row)
     params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0), dtype))
     state = init_decode_state(cfg, dcfg, [[0] * 13] * 2, 13, abstract=True, dtype=dtype)
@@ -195,14 +196,21 @@ def _block_program(sharding, dtype, per_row: bool):
     put = lambda tree: jax.tree.map(lambda a: S(a.shape, a.dtype, sharding=sharding), tree)
     lowered = jax.jit(decode_block, static_argnames=("spec",)).lower(put(params), put(state), put(knobs), None,
                                                                         spec=spec)
-    return lowered.compile().as_text()
+    return lowered.compile().as_text(), jax.tree.leaves(state.k_cache)[0].shape
 
 
-@pytest.mark.parametrize("dtype,per_row", [(_F, False), (_BF, True)], ids=["f32-lockstep", "bf16-per-row"])
-def test_polestar_block_compiles_for_tpu_with_its_kernels(dtype, per_row):
-    """(One target, v5e, to keep the suite's budget: the kernels alone compile for v5e and v6e above.)"""
-    names = _kernel_names(_block_program(_one_chip("v5e:2x2"), dtype, per_row))
+@pytest.mark.parametrize("dtype,per_row,kv_cache", [(_F, False, "float"), (_BF, True, "float"), (_BF, False, "int8")],
+                         ids=["f32-lockstep", "bf16-per-row", "bf16-lockstep-int8-kv"])
+def test_polestar_block_compiles_for_tpu_with_its_kernels(dtype, per_row, kv_cache):
+    """(One target, v5e, to keep the suite's budget: the kernels alone compile for v5e and v6e above.) With
+    the int8 K/V cache no row scatter writes into the stacked cache (XLA:TPU copied the whole cache around
+    each one: ``polestar.step.int8_rows_by_layer``); its refresh rows go through the layer's cache."""
+    hlo, shape = _block_program(_one_chip("v5e:2x2"), dtype, per_row, kv_cache)
+    names = _kernel_names(hlo)
     want = {"kl_drift_token", "kl_drift_cluster", "centroid_shift", "gather_rows", "scatter_rows"}
     assert want <= set(names), names
     if dtype == _F:  # the float32 K/V caches are written by the row scatter too (bf16 ones by XLA's scatter)
         assert names["scatter_rows"] > 2, names
+    scatters = re.findall(r"= s8\[([\d,]+)\]\S* scatter\(", hlo)
+    if kv_cache == "int8":
+        assert scatters and all(len(s.split(",")) < len(shape) for s in scatters), (scatters, shape)

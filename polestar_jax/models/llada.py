@@ -510,9 +510,23 @@ def _put_own(write: Callable, axis: int):
                 x = jnp.broadcast_to(x, (n,) + jnp.shape(x))
             return jnp.repeat(x, lead) if x.ndim == 1 else x.reshape((n * x.shape[1],) + x.shape[2:])
 
-        return plain(a, fold(u, batched[1]), i, *[fold(x, on) for x, on in zip(rows, batched[3:])]), False
+        uf, rf = fold(u, batched[1]), [fold(x, on) for x, on in zip(rows, batched[3:])]
+        if write is _put_layer or (write is _put_rows and jnp.ndim(rf[0]) == 0):  # (one slice update)
+            return plain(a, uf, i, *rf), False
+        return lax.platform_dependent(a, uf, i, *rf, tpu=functools.partial(_entry_by_entry, write, axis),
+                                      default=plain), False
 
     return put
+
+
+def _entry_by_entry(write: Callable, axis: int, a, u, i, *rows):
+    """``write(a, u, i, *rows, axis=axis)`` of rows ``u`` [B, ...] at a per-entry position (``rows``: each
+    with a leading [B] axis) into ``a`` [N, B, ...], an entry at a time in place (:func:`_row_update`): a
+    TPU's form. A row scatter into the stacked buffer makes XLA:TPU copy the whole buffer into another layout
+    and back around it (for the K/V cache: the sequence axis before the KV heads)."""
+    one = _ROW_WRITES[write]
+    return lax.fori_loop(0, u.shape[0], lambda e, a: one(
+        a, lax.dynamic_slice_in_dim(u, e, 1), i, e, True, *[x[e] for x in rows], axis=axis), a)
 
 
 @functools.lru_cache(maxsize=None)

@@ -257,8 +257,10 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
     # K/V of every packet row (LLaDA), or only of those clustered here, as the store patch (Dream)
     wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
     pk_k, pk_v = k[:, :, ctx.block:], v[:, :, ctx.block:]
-    # the rows written into the stacked cache in place (an int8 cache's always: its rows are quantized)
-    if kv_quant.is_int8(slot.buffers[0]) or scatter_is_reference(pc.kernels, k.dtype):
+    if kv_quant.is_int8(slot.buffers[0]):  # quantized rows: XLA's scatter, where the target writes it best
+        slot, (kk, vv) = lax.platform_dependent(write.slot, (pk_k, pk_v), ctx.ref_idx, wvalid,
+                                                tpu=int8_rows_by_layer, default=int8_rows_in_place)
+    elif scatter_is_reference(pc.kernels, k.dtype):  # the rows written into the stacked cache in place
         slot = write.slot.scatter_rows((pk_k, pk_v), ctx.ref_idx, wvalid, axis=2)
         kk, vv = slot.layer()
     else:  # a row-scatter kernel writes into the layer's cache (copied out, written back whole)
@@ -267,6 +269,27 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
         vv = scatter_kv_rows(vv, pk_v, ctx.ref_idx, wvalid, backend=pc.kernels)
         slot = write.slot.put_layer((kk, vv))
     return Packet(store, got, have, cent, kk, vv, slot, store_slot, chosen_width(n_pk, ctx.store_widths))
+
+
+def int8_rows_in_place(slot: CacheSlot, rows: tuple, idx: jax.Array, valid: jax.Array) -> tuple[CacheSlot, tuple]:
+    """An int8 cache's refresh rows ``rows`` (K, V [b, KV, C, hd], float) quantized and scattered at ``idx``
+    [b, C] where ``valid`` into layer ``slot.i`` of the stacked cache, in place: ``(slot, (k, v))`` with the
+    layer's K/V as written. A CPU's and a GPU's form (only the rows move)."""
+    slot = slot.scatter_rows(rows, idx, valid, axis=2)
+    return slot, slot.layer()
+
+
+def int8_rows_by_layer(slot: CacheSlot, rows: tuple, idx: jax.Array, valid: jax.Array) -> tuple[CacheSlot, tuple]:
+    """:func:`int8_rows_in_place`, equal values, by a row scatter into the layer's cache copied out and written
+    back whole: a TPU's form. A TPU tiles int8 rows 32 to a tile, and XLA:TPU lays a row scatter into the
+    stacked cache out apart from the cache's other users (the sequence axis before the KV heads, (8, 128)
+    tiles), so it copied the whole stacked cache around each layer's scatter: LLaDA-8B's Polestar program at
+    batch 32 on one v5e chip needed 22.5 GiB of HBM, 18.3 GiB this way (``bench/tpu_proxy.py``)."""
+    kk, vv = slot.layer()
+    new = kv_quant.stored_like((kk, vv), rows)
+    put = lambda cache, r: jax.tree.map(lambda a, u: scatter_kv_rows(a, u, idx, valid, backend="reference"), cache, r)
+    kk, vv = put(kk, new[0]), put(vv, new[1])
+    return slot.put_layer((kk, vv)), (kk, vv)
 
 
 class Selection(NamedTuple):
