@@ -1,17 +1,17 @@
 """Shared fixtures: the tiny golden model (loaded once per session), its cases, float32 matmul precision.
 
-Speed: the suite compiles each decode shape once per process. Subprocess tests (the CLIs) and the
-pytest-xdist workers (``-n 2``, one test file per worker: ``--dist loadfile``) would compile the same
-executables again, so the session uses a private, throw-away persistent compilation cache that they all
-share (see ``subprocess_env``); results are unaffected, only compile time is saved.
+Speed: the suite compiles each decode shape once per process (shared module / session fixtures).
+
+No persistent compilation cache: the suite's processes (the pytest-xdist workers, the CLIs they start)
+serialize no executable, except the tests of the cache and the executable store themselves, with folders
+of their own. jax 0.12's CPU executable serializer crashed the process now and then (a segfault in
+``executable.serialize()`` writing a cache entry: once in CI, once in a full suite here, in different
+tests), when the suite shared a throw-away cache between its processes.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 # The suite runs on the CPU (simulated devices where a test needs several), and so do the commands it starts:
@@ -25,23 +25,6 @@ import pytest
 # Golden comparisons are made in float32 with exact matmuls (set before anything compiles).
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# (The cache key includes the cache folder path, so subprocesses must get this same path.) The settings also
-# go into the environment, so the pytest-xdist workers, started after this runs in the controlling process,
-# share the cache: a program one worker compiled is read by the other.
-# Only programs that took CACHE_MIN_COMPILE_SECS or more to compile are written (the ones worth sharing): far
-# fewer executables serialized. Twice a CI worker died of a native crash in a test that compiles, once inside
-# XLA's executable serializer writing a cache entry (the other's stack was not kept); a hedge, not a cure.
-CACHE_MIN_COMPILE_SECS = 1.0
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    _CACHE_DIR = tempfile.mkdtemp(prefix="polestar_jax_test_cc_")
-    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(CACHE_MIN_COMPILE_SECS),
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECS)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 TINY_A_DIR = DATA / "llada_tiny_a"
@@ -53,6 +36,19 @@ def matmul_precision_highest():
     """Every test runs with ``jax_default_matmul_precision = "highest"`` (the golden tolerance assumes it)."""
     jax.config.update("jax_default_matmul_precision", "highest")
     yield "highest"
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_cache_left_on():
+    """A test that turns JAX's persistent compilation cache on (the cache's own tests, a command line run
+    in-process with a cache folder) turns it off again: the tests after it serialize nothing."""
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        from jax._src import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session")
@@ -118,14 +114,10 @@ def tiny_a_generations(tiny_a, tiny_a_cases) -> dict:
 
 @pytest.fixture(scope="session")
 def subprocess_env() -> dict:
-    """Environment for ``python -m polestar_jax...`` subprocesses: CPU, and this session's compile cache."""
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    cache_dir = jax.config.jax_compilation_cache_dir
-    if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(CACHE_MIN_COMPILE_SECS),
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return env
+    """Environment for ``python -m polestar_jax...`` subprocesses: CPU, and no persistent compile cache (the
+    command lines turn theirs on unless ``POLESTAR_JAX_CACHE=off``, which the tests set)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    return dict(env, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), POLESTAR_JAX_CACHE="off")
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """Compiling ahead and accounting for compile seconds (issue 31): batch buckets, ``Engine.precompile``,
 ``CompileRecord`` (cache hits through JAX's monitoring events), ``generate --precompile``.
 
-The suite shares a persistent compilation cache between its processes (``conftest.py``), so the second
-engine that compiles a program loads it: that is the cache hit these tests observe. The Fast-dLLM dual
-cache on the bundled model keeps the compiles short.
+Each test here has a persistent compilation cache of its own (the suite runs without one: ``conftest.py``),
+so the second engine that compiles a program loads it: that is the cache hit these tests observe. The
+Fast-dLLM dual cache on the bundled model keeps the compiles short.
 """
 from __future__ import annotations
 
@@ -33,6 +33,20 @@ def bundled():
     cfg, params = load_model(bundled_model_dir())
     tok = load_tokenizer(bundled_model_dir())
     return cfg, params, tok
+
+
+@pytest.fixture(autouse=True)
+def own_persistent_cache(tmp_path):
+    """JAX's persistent compilation cache in a folder of this test's (every program written); turned off
+    after the test (``conftest.no_persistent_cache_left_on``)."""
+    names = ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    for name in names:
+        jax.config.update(name, 0)
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
 
 
 def test_batch_bucket():
@@ -70,7 +84,7 @@ def test_a_second_engine_loads_from_the_persistent_cache(bundled, monkeypatch):
     second = Engine(params, cfg, tok, log=logged.append).precompile(DUAL, [(2, 48)])
     assert len(first) == len(second) == 1
     rec = second[0]
-    assert rec.cache_hit, "the suite's persistent cache holds the program the first engine compiled"
+    assert rec.cache_hit, "the persistent cache holds the program the first engine compiled"
     assert logged[0].startswith("compiling the fastdllm block program for batch 2, prompt slot 48")
     assert logged[1].startswith("loaded the fastdllm block program") and "tracing and lowering" in logged[1]
     assert "1 of 1 program from the compilation cache" in compile_summary(second)
