@@ -325,3 +325,24 @@ def test_a_cache_shared_by_the_rows_of_a_vmap_reads_and_writes_each_rows_own_ent
     # outside a vmap (a fixed batch) the same functions are the plain slices and updates
     plain = row(cache, u[:, 0], start[0], idx[:, 0], valid[:, 0], keep[:, 0])
     np.testing.assert_array_equal(np.asarray(plain[0][:, :1]), np.asarray(shared[0][:, :1]))
+
+
+def test_entry_by_entry_writes_equal_the_row_scatter():
+    """A running batch's per-row writes into a shared stacked buffer, a TPU's form (``llada._entry_by_entry``:
+    an entry at a time, in place) and the CPU's / GPU's (one row scatter over every entry): the same buffer,
+    for block rows at a start per entry and for scattered rows (invalid and out-of-range positions dropped)."""
+    from polestar_jax.models import llada
+
+    rng = np.random.default_rng(5)
+    n, b, kv, length, hd, c = 3, 4, 2, 10, 8, 3
+    a = jnp.asarray(rng.standard_normal((n, b, kv, length, hd)), jnp.float32)
+    u = jnp.asarray(rng.standard_normal((b, kv, c, hd)), jnp.float32)
+    i = jnp.int32(2)
+    start = jnp.asarray([0, 7, 3, 5], jnp.int32)
+    idx = jnp.asarray([[0, 4, 9], [2, -1, 1], [9, 10, 3], [5, 6, 7]], jnp.int32)
+    valid = jnp.asarray([[True, True, True], [True, True, False], [True, True, True], [False, True, True]])
+    for write, rows in ((llada._put_rows, (start,)), (llada._scatter_rows, (idx, valid))):
+        want = jax.jit(functools.partial(write, axis=2))(a, u, i, *rows)
+        got = jax.jit(functools.partial(llada._entry_by_entry, write, 2))(a, u, i, *rows)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert not np.array_equal(np.asarray(got[2]), np.asarray(a[2])) and np.array_equal(got[:2], a[:2])

@@ -202,15 +202,18 @@ def _block_program(sharding, dtype, per_row: bool, kv_cache: str = "float"):
 @pytest.mark.parametrize("dtype,per_row,kv_cache", [(_F, False, "float"), (_BF, True, "float"), (_BF, False, "int8")],
                          ids=["f32-lockstep", "bf16-per-row", "bf16-lockstep-int8-kv"])
 def test_polestar_block_compiles_for_tpu_with_its_kernels(dtype, per_row, kv_cache):
-    """(One target, v5e, to keep the suite's budget: the kernels alone compile for v5e and v6e above.) With
-    the int8 K/V cache no row scatter writes into the stacked cache (XLA:TPU copied the whole cache around
-    each one: ``polestar.step.int8_rows_by_layer``); its refresh rows go through the layer's cache."""
+    """(One target, v5e, to keep the suite's budget: the kernels alone compile for v5e and v6e above.) No row
+    scatter writes into the stacked cache (XLA:TPU copied the whole cache around each one): an int8 cache's
+    refresh rows go through the layer's cache (``polestar.step.int8_rows_by_layer``), a running batch's
+    per-row writes an entry at a time (``llada._entry_by_entry``)."""
     hlo, shape = _block_program(_one_chip("v5e:2x2"), dtype, per_row, kv_cache)
     names = _kernel_names(hlo)
     want = {"kl_drift_token", "kl_drift_cluster", "centroid_shift", "gather_rows", "scatter_rows"}
     assert want <= set(names), names
     if dtype == _F:  # the float32 K/V caches are written by the row scatter too (bf16 ones by XLA's scatter)
         assert names["scatter_rows"] > 2, names
-    scatters = re.findall(r"= s8\[([\d,]+)\]\S* scatter\(", hlo)
+    # no row scatter into the stacked cache (each layer's, a running batch's rows entry by entry)
+    stacked = r"= \w+\[" + ",".join(map(str, shape)) + r"\]\S* scatter\("
+    assert not re.search(stacked, hlo), shape
     if kv_cache == "int8":
-        assert scatters and all(len(s.split(",")) < len(shape) for s in scatters), (scatters, shape)
+        assert re.search(r"= s8\[[\d,]+\]\S* scatter\(", hlo)  # (the layer's)
