@@ -18,6 +18,10 @@ from pathlib import Path
 # with libtpu (the test extra's, for tests/test_tpu_compile.py) or a CUDA plugin installed and no such device,
 # JAX would probe for it at every start and print errors. Set before JAX is imported; subprocesses inherit it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# and without a persistent compilation cache, whatever the environment says (see above; subprocess_env too)
+_NO_CACHE = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
+for _name in [k for k in os.environ if k.startswith(_NO_CACHE)]:
+    del os.environ[_name]
 
 import jax  # noqa: E402
 import pytest
@@ -116,15 +120,14 @@ def tiny_a_generations(tiny_a, tiny_a_cases) -> dict:
 def subprocess_env() -> dict:
     """Environment for ``python -m polestar_jax...`` subprocesses: CPU, and no persistent compile cache (the
     command lines turn theirs on unless ``POLESTAR_JAX_CACHE=off``, which the tests set)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
-    return dict(env, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), POLESTAR_JAX_CACHE="off")
+    return dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), POLESTAR_JAX_CACHE="off")
 
 
 @pytest.fixture
 def offline_session_cache(monkeypatch):
-    """For tests of load() and the CLIs, which turn on the persistent cache: this session's (never the
-    user's), and no hub look-ups."""
-    monkeypatch.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    """For tests of load() and the CLIs, which turn on the persistent cache unless told: off (never the
+    user's; the suite serializes no executable), and no hub look-ups."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     min_time = jax.config.jax_persistent_cache_min_compile_time_secs

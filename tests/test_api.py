@@ -27,8 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _session_cache(monkeypatch):
-    """load() turns on the persistent cache: this session's (never the user's)."""
-    monkeypatch.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    """load() turns on the persistent cache unless told: off here (never the user's; see conftest.py)."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
     min_time = jax.config.jax_persistent_cache_min_compile_time_secs
     yield
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)  # enable_compile_cache sets 0.5

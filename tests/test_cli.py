@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import pytest
 
 from polestar_jax import crosscheck
@@ -25,14 +24,13 @@ TIMEOUT = 120
 
 @pytest.fixture(scope="module")
 def env(subprocess_env) -> dict:
-    cache = jax.config.jax_compilation_cache_dir
-    return dict(subprocess_env, POLESTAR_JAX_CACHE=cache or "off")
+    return subprocess_env
 
 
 @pytest.fixture(autouse=True)
 def _cli_cache(monkeypatch):
-    """In-process ``main()`` calls keep using this session's compile cache (never the user's)."""
-    monkeypatch.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    """In-process ``main()`` calls run without the persistent cache (never the user's; see conftest.py)."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
 
 
 def _run(env: dict, module: str, *args: str) -> subprocess.CompletedProcess:

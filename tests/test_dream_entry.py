@@ -197,10 +197,10 @@ def test_generate_cli_batched_every_decoder(name, tiny_dream, capsys, monkeypatc
 
 
 def test_generate_cli_subprocess(subprocess_env):
-    """The command as a user types it, on the bundled Dream folder (the session's compile cache)."""
+    """The command as a user types it, on the bundled Dream folder (no persistent compile cache)."""
     cmd = [sys.executable, "-m", "polestar_jax.generate", "--model", "polestar_jax/assets/tiny_dream",
            "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], *GEN, "--json"]
-    env = dict(subprocess_env, POLESTAR_JAX_CACHE=jax.config.jax_compilation_cache_dir or "off",
+    env = dict(subprocess_env, POLESTAR_JAX_CACHE="off",
                JAX_DEFAULT_MATMUL_PRECISION="highest")  # as this session (conftest), so its cache entries match
     r = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

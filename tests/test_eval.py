@@ -71,7 +71,7 @@ def polestar_eval(tmp_path_factory):
     the default decoder (Polestar) and lengths: (out dir, results.json, samples, the --json line)."""
     out = tmp_path_factory.mktemp("eval") / "polestar"
     mp = pytest.MonkeyPatch()
-    mp.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    mp.setenv("POLESTAR_JAX_CACHE", "off")
     mp.setenv("HF_DATASETS_OFFLINE", "1")
     import io
     from contextlib import redirect_stdout
@@ -143,7 +143,7 @@ def test_eval_cli_subprocess(polestar_eval, subprocess_env, tmp_path):
     """``python -m polestar_jax.eval`` as a user runs it (progress bar on): the same results as in-process;
     the results file is never overwritten; code tasks need --allow-code-execution."""
     _, results, samples, _ = polestar_eval
-    env = dict(subprocess_env, POLESTAR_JAX_CACHE=jax.config.jax_compilation_cache_dir or "off",
+    env = dict(subprocess_env, POLESTAR_JAX_CACHE="off",
                JAX_DEFAULT_MATMUL_PRECISION="highest", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     out = tmp_path / "sub"
     group = TASK + "_group"  # a group of the local task: its subtasks' accounting is reported under its name

@@ -55,10 +55,8 @@ def _has_lm_eval() -> bool:
 
 @pytest.fixture(autouse=True)
 def _session_cache(monkeypatch):
-    """Commands run here (and their subprocesses) use the session's compilation cache."""
-    import jax
-
-    monkeypatch.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    """Commands run here (and their subprocesses) run without the persistent compilation cache."""
+    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
 
 
 def _free_port() -> int:
@@ -143,7 +141,7 @@ def references(tmp_path_factory) -> dict:
     from polestar_jax.generate import main as generate
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("POLESTAR_JAX_CACHE", jax.config.jax_compilation_cache_dir or "off")
+    mp.setenv("POLESTAR_JAX_CACHE", "off")
     mp.setenv("HF_HUB_OFFLINE", "1")
     mp.setenv("HF_DATASETS_OFFLINE", "1")
     min_time = jax.config.jax_persistent_cache_min_compile_time_secs

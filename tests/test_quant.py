@@ -451,7 +451,7 @@ def test_int8_refresh_rows_by_layer_equal_in_place():
     """A refresh's quantized K/V rows written into the int8 cache both ways, in place into the stacked cache
     (a CPU's and a GPU's form) and through the layer's cache copied out and written back whole (a TPU's):
     the same stacked cache and the same layer, value for value, invalid and out-of-range rows dropped."""
-    from polestar_jax.decode.polestar.step import int8_rows_by_layer, int8_rows_in_place
+    from polestar_jax.decode.polestar.step import rows_by_layer, rows_in_place
 
     rng = np.random.default_rng(3)
     n, b, kv, length, hd, c = 3, 2, 2, 11, 8, 4
@@ -461,7 +461,7 @@ def test_int8_refresh_rows_by_layer_equal_in_place():
     rows = tuple(jnp.asarray(rng.standard_normal((b, kv, c, hd)), jnp.float32) for _ in range(2))
     idx = jnp.asarray([[0, 5, 10, 11], [3, -1, 7, 2]], jnp.int32)
     valid = jnp.asarray([[True, True, False, True], [True, True, True, False]])
-    got = [jax.jit(f)(slot, rows, idx, valid) for f in (int8_rows_in_place, int8_rows_by_layer)]
+    got = [jax.jit(f)(slot, rows, idx, valid) for f in (rows_in_place, rows_by_layer)]
     for x, y in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1])):
         np.testing.assert_array_equal(x, y)
     (s, (k, _)), old = got[0], slot.buffers[0]

@@ -204,7 +204,7 @@ def _block_program(sharding, dtype, per_row: bool, kv_cache: str = "float"):
 def test_polestar_block_compiles_for_tpu_with_its_kernels(dtype, per_row, kv_cache):
     """(One target, v5e, to keep the suite's budget: the kernels alone compile for v5e and v6e above.) No row
     scatter writes into the stacked cache (XLA:TPU copied the whole cache around each one): an int8 cache's
-    refresh rows go through the layer's cache (``polestar.step.int8_rows_by_layer``), a running batch's
+    refresh rows go through the layer's cache (``polestar.step.rows_by_layer``), a running batch's
     per-row writes an entry at a time (``llada._entry_by_entry``)."""
     hlo, shape = _block_program(_one_chip("v5e:2x2"), dtype, per_row, kv_cache)
     names = _kernel_names(hlo)

@@ -257,37 +257,35 @@ def patch_packet(ctx: StepCtx, carry: Carry, xs: LayerIn, dt, slot: CacheSlot,
     # K/V of every packet row (LLaDA), or only of those clustered here, as the store patch (Dream)
     wvalid = (patch if pc.patch_kv == "clustered" else carry.pk_valid) & ctx.geo.ref_valid
     pk_k, pk_v = k[:, :, ctx.block:], v[:, :, ctx.block:]
-    if kv_quant.is_int8(slot.buffers[0]):  # quantized rows: XLA's scatter, where the target writes it best
-        slot, (kk, vv) = lax.platform_dependent(write.slot, (pk_k, pk_v), ctx.ref_idx, wvalid,
-                                                tpu=int8_rows_by_layer, default=int8_rows_in_place)
-    elif scatter_is_reference(pc.kernels, k.dtype):  # the rows written into the stacked cache in place
-        slot = write.slot.scatter_rows((pk_k, pk_v), ctx.ref_idx, wvalid, axis=2)
-        kk, vv = slot.layer()
-    else:  # a row-scatter kernel writes into the layer's cache (copied out, written back whole)
-        kk, vv = write.slot.layer()
-        kk = scatter_kv_rows(kk, pk_k, ctx.ref_idx, wvalid, backend=pc.kernels)
-        vv = scatter_kv_rows(vv, pk_v, ctx.ref_idx, wvalid, backend=pc.kernels)
-        slot = write.slot.put_layer((kk, vv))
+    rows = (write.slot, (pk_k, pk_v), ctx.ref_idx, wvalid)
+    if kv_quant.is_int8(slot.buffers[0]):  # (no int8 scatter kernel: XLA's scatter, in the target's best form)
+        slot, (kk, vv) = lax.platform_dependent(*rows, tpu=rows_by_layer, default=rows_in_place)
+    elif scatter_is_reference(pc.kernels, k.dtype):
+        slot, (kk, vv) = rows_in_place(*rows)
+    else:  # a row-scatter kernel writes into the layer's cache
+        slot, (kk, vv) = rows_by_layer(*rows, backend=pc.kernels)
     return Packet(store, got, have, cent, kk, vv, slot, store_slot, chosen_width(n_pk, ctx.store_widths))
 
 
-def int8_rows_in_place(slot: CacheSlot, rows: tuple, idx: jax.Array, valid: jax.Array) -> tuple[CacheSlot, tuple]:
-    """An int8 cache's refresh rows ``rows`` (K, V [b, KV, C, hd], float) quantized and scattered at ``idx``
-    [b, C] where ``valid`` into layer ``slot.i`` of the stacked cache, in place: ``(slot, (k, v))`` with the
-    layer's K/V as written. A CPU's and a GPU's form (only the rows move)."""
+def rows_in_place(slot: CacheSlot, rows: tuple, idx: jax.Array, valid: jax.Array) -> tuple[CacheSlot, tuple]:
+    """A refresh's K/V rows ``rows`` (K, V [b, KV, C, hd], float) written at positions ``idx`` [b, C] where
+    ``valid`` into layer ``slot.i`` of the stacked cache (quantized first for an int8 cache), by a row scatter
+    in place: ``(slot, (k, v))`` with the layer's K/V [b, KV, L, hd] as written. Only the rows move."""
     slot = slot.scatter_rows(rows, idx, valid, axis=2)
     return slot, slot.layer()
 
 
-def int8_rows_by_layer(slot: CacheSlot, rows: tuple, idx: jax.Array, valid: jax.Array) -> tuple[CacheSlot, tuple]:
-    """:func:`int8_rows_in_place`, equal values, by a row scatter into the layer's cache copied out and written
-    back whole: a TPU's form. A TPU tiles int8 rows 32 to a tile, and XLA:TPU lays a row scatter into the
+def rows_by_layer(slot: CacheSlot, rows: tuple, idx: jax.Array, valid: jax.Array,
+                  backend: str = "reference") -> tuple[CacheSlot, tuple]:
+    """:func:`rows_in_place`, equal values, by a row scatter into the layer's cache copied out and written
+    back whole (:func:`~polestar_jax.kernels.refresh.scatter_kv_rows` with ``backend``, per array of an int8
+    cache). The form for a scatter kernel, and an int8 cache's on a TPU: XLA:TPU lays a row scatter into the
     stacked cache out apart from the cache's other users (the sequence axis before the KV heads, (8, 128)
-    tiles), so it copied the whole stacked cache around each layer's scatter: LLaDA-8B's Polestar program at
-    batch 32 on one v5e chip needed 22.5 GiB of HBM, 18.3 GiB this way (``bench/tpu_proxy.py``)."""
+    tiles), so it copied the whole stacked cache around each layer's scatter (LLaDA-8B's Polestar program at
+    batch 32 on one v5e chip: 22.5 GiB of HBM, 18.3 GiB this way, ``bench/tpu_proxy.py``)."""
     kk, vv = slot.layer()
     new = kv_quant.stored_like((kk, vv), rows)
-    put = lambda cache, r: jax.tree.map(lambda a, u: scatter_kv_rows(a, u, idx, valid, backend="reference"), cache, r)
+    put = lambda cache, r: jax.tree.map(lambda a, u: scatter_kv_rows(a, u, idx, valid, backend=backend), cache, r)
     kk, vv = put(kk, new[0]), put(vv, new[1])
     return slot.put_layer((kk, vv)), (kk, vv)
 
