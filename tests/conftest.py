@@ -4,9 +4,11 @@ Speed: the suite compiles each decode shape once per process (shared module / se
 
 No persistent compilation cache: the suite's processes (the pytest-xdist workers, the CLIs they start)
 serialize no executable, except the tests of the cache and the executable store themselves, with folders
-of their own. jax 0.12's CPU executable serializer crashed the process now and then (a segfault in
-``executable.serialize()`` writing a cache entry: once in CI, once in a full suite here, in different
-tests), when the suite shared a throw-away cache between its processes.
+of their own. jax 0.12's CPU executable serializer crashes the process now and then (a segfault or abort in
+``executable.serialize()`` writing a cache entry, seen in CI and here). ``POLESTAR_JAX_CACHE=off`` for the
+whole session keeps ``load()`` and the command lines from turning the user's cache on (two module fixtures'
+``load()`` did, for every later test of their worker), and :func:`no_persistent_cache_left_on` fails a test
+that starts with the cache on.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _NO_CACHE = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
 for _name in [k for k in os.environ if k.startswith(_NO_CACHE)]:
     del os.environ[_name]
+# the command lines and load() run in-process turn theirs on (in the user's ~/.cache) unless told: off, and a
+# test of the cache sets a folder of its own (monkeypatch.setenv)
+os.environ["POLESTAR_JAX_CACHE"] = "off"
 
 import jax  # noqa: E402
 import pytest
@@ -44,14 +49,17 @@ def matmul_precision_highest():
 
 @pytest.fixture(autouse=True)
 def no_persistent_cache_left_on():
-    """A test that turns JAX's persistent compilation cache on (the cache's own tests, a command line run
-    in-process with a cache folder) turns it off again: the tests after it serialize nothing."""
-    before = jax.config.jax_compilation_cache_dir
-    yield
-    if jax.config.jax_compilation_cache_dir != before:
-        from jax._src import compilation_cache
+    """No test starts with JAX's persistent compilation cache on (a module or session fixture that turns it
+    on, such as ``load()`` without ``compile_cache=False``, fails here), and a test that turns it on (the
+    cache's own tests, a command line run in-process with a cache folder) has it turned off after it."""
+    from jax._src import compilation_cache
 
-        jax.config.update("jax_compilation_cache_dir", before)
+    assert jax.config.jax_compilation_cache_dir is None, (
+        f"the persistent compilation cache is on ({jax.config.jax_compilation_cache_dir}) before the test: a "
+        "fixture turned it on (load(compile_cache=False) in fixtures; the suite runs without one)")
+    yield
+    if jax.config.jax_compilation_cache_dir is not None:
+        jax.config.update("jax_compilation_cache_dir", None)
         compilation_cache.reset_cache()
 
 
@@ -139,6 +147,19 @@ def offline_session_cache(monkeypatch):
 #: this order before all others, so that on pytest-xdist workers (``--dist loadfile``, files handed out in
 #: collection order: ``--no-loadscope-reorder`` in pyproject.toml) they start first and short files fill the end.
 LONG_FILES = ("test_dream_scale.py", "test_scale.py", "test_multihost.py", "test_polestar.py", "test_scheduler.py")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """A native crash (a segfault in XLA) prints the stack of the thread that crashed, not of every thread:
+    pytest's faulthandler dumps all of them, and a CI log's tail then holds only the idle main thread."""
+    import faulthandler
+
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    fd = config.stash.get(fault_handler_stderr_fd_key, None)
+    if fd is not None and faulthandler.is_enabled():
+        faulthandler.enable(file=fd, all_threads=False)
 
 
 def pytest_collection_modifyitems(config, items):

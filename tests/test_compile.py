@@ -13,6 +13,7 @@ import os
 
 import jax
 import pytest
+from jax._src import compilation_cache
 
 from polestar_jax.engine import executables
 from polestar_jax import generate as gen_cli
@@ -44,6 +45,9 @@ def own_persistent_cache(tmp_path):
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
     for name in names:
         jax.config.update(name, 0)
+    # JAX decides once per process whether its cache is in use (at the first compile, then remembered until
+    # reset_cache()): an earlier compile of this worker's, with no cache folder, would leave it off here
+    compilation_cache.reset_cache()
     yield
     for name, value in before.items():
         jax.config.update(name, value)
@@ -239,3 +243,21 @@ def test_generate_precompile_flag(capsys):
         with pytest.raises(PolestarError, match=msg):
             gen_cli.parse_shapes(bad)
     assert gen_cli.parse_shapes("1x48, 8X64") == [(1, 48), (8, 64)]
+
+
+def test_a_new_cache_folder_takes_effect_in_a_process_that_compiled_before(tmp_path):
+    """JAX picks its cache folder at the first compile and keeps it: enable_compile_cache (the CLIs', load()'s)
+    restarts the cache when it names another folder, so the programs after it are written there."""
+    import jax.numpy as jnp
+
+    from polestar_jax.engine.compile_cache import enable_compile_cache
+
+    first = str(tmp_path / "xla")  # own_persistent_cache's folder
+    jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()
+    assert os.listdir(first)
+    other = enable_compile_cache(str(tmp_path / "other"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # (enable_compile_cache sets 0.5)
+    before = set(os.listdir(first))
+    jax.jit(lambda x: x * 3)(jnp.ones(3)).block_until_ready()
+    assert set(os.listdir(first)) == before
+    assert [f for f in os.listdir(other) if f.endswith("-cache")], "the program is written to the new folder"

@@ -226,6 +226,23 @@ def test_host_store_only_where_the_refresh_step_compiles(monkeypatch):
         OF.place_store(hs, sc, PolestarConfig(offload_hidden="int8"))
 
 
+def test_an_abstract_state_on_a_mesh_keeps_its_store_sharding_in_host_memory(tiny_p):
+    """An ahead-of-time compile's abstract state on a mesh (a TPU topology's, the engine's) has the store where
+    the engine puts it: the mesh's sharding in ``pinned_host`` memory, not one device of the default backend."""
+    from jax.sharding import Mesh, NamedSharding
+
+    cfg, _ = tiny_p
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK,
+                      polestar=PolestarConfig(offload_hidden="int8"))
+    state = init_decode_state(cfg, dc, [[5] * 8] * 2, 8, abstract=True, mesh=mesh)
+    pol = state.policy_state
+    for a in (pol.hs, pol.hs_scale):
+        assert isinstance(a.sharding, NamedSharding) and a.sharding.mesh == mesh, a.sharding
+        assert a.sharding.memory_kind == OF.HOST_MEMORY_KIND
+    assert state.k_cache.sharding.memory_kind in (None, "device")
+
+
 def test_backend_without_host_memory_falls_back(monkeypatch, tiny_p):
     cfg, _ = tiny_p
     monkeypatch.setattr(OF, "host_memory_available", lambda platform=None: False)

@@ -27,7 +27,7 @@ DECODERS = {"llada": dict(decoder="llada"), "fastdllm-none": dict(decoder="fastd
 
 @pytest.fixture(scope="module")
 def model():
-    return load()
+    return load(compile_cache=False)  # (the suite runs without a persistent cache: conftest.py)
 
 
 def _jobs(model, n=16, temperature=None):

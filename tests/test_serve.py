@@ -53,7 +53,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def model():
-    return load()
+    return load(compile_cache=False)  # (the suite runs without a persistent cache: conftest.py)
 
 
 def _alone(model, ids, gen_length, seed=0):
@@ -385,7 +385,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server, model):
     (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1, got 0"),
     (["--max-tokens", "128", "--max-prompt-tokens", "129"], "--max-prompt-tokens 129 + gen length 128 exceeds"),
 ])
-def test_bad_server_options_are_one_line(argv, part, capsys):
+def test_bad_server_options_are_one_line(argv, part, capsys, offline_session_cache):
     """A bad server option: exit 2 with one error line naming the flag as given (before anything compiles)."""
     from polestar_jax import serve
 

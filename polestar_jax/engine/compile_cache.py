@@ -30,15 +30,22 @@ def cache_folder(path: Optional[str] = None) -> Optional[str]:
 def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
     """Turns on JAX's persistent compilation cache (``$POLESTAR_JAX_CACHE``, default
     ``~/.cache/polestar_jax/xla``; ``POLESTAR_JAX_CACHE=off`` disables it), so a second run of the same
-    shapes skips compilation. Returns the folder used, or None."""
+    shapes skips compilation (also in a process that compiled other programs before). Returns the folder
+    used, or None."""
     import jax
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
     path = cache_folder(path)
     if path is None:
         return None
     try:
         os.makedirs(path, exist_ok=True)
+        changed = jax.config.jax_compilation_cache_dir != path
         jax.config.update("jax_compilation_cache_dir", path)
+        if changed:
+            # JAX decides at the first compile of a process whether its cache is in use and keeps to that:
+            # a process that compiled anything before (a script's own jit, a notebook) would use no cache
+            reset_cache()
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         guard_compile_cache_writes()
     except OSError:

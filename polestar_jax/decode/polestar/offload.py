@@ -183,11 +183,18 @@ def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple
 
 def abstract_store(hs, hs_scale) -> tuple:
     """:func:`place_store` for abstract arrays (``jax.ShapeDtypeStruct``): the store placed in host memory
-    where the backend has it, so an ahead-of-time compile sees the store where the engine puts it."""
+    where the backend has it, so an ahead-of-time compile sees the store where the engine puts it: a struct
+    with a sharding (a mesh's, a TPU topology's) keeps it, in ``pinned_host`` memory; one without is on the
+    default device."""
     if not host_memory_available():
         return hs, hs_scale
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY_KIND)
-    put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
+
+    def put(a):
+        sharding = getattr(a, "sharding", None)
+        host = (jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY_KIND)
+                if sharding is None else sharding.with_memory_kind(HOST_MEMORY_KIND))
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
+
     return put(hs), put(hs_scale)
 
 
