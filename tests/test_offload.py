@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from polestar_jax import compat
+from polestar_jax.kernels import refresh as kernels_refresh
 from polestar_jax.decode.polestar import offload as OF
 from polestar_jax.decode.polestar import policy as PS
 from polestar_jax.decode.polestar import step as PSS
@@ -53,6 +54,28 @@ def test_encode_decode_roundtrip():
             assert (err <= np.abs(np.asarray(h)) * 2.0 ** -8 + 1e-30).all()
 
 
+def test_a_host_store_holds_its_rows_as_whole_words():
+    """In host memory the encoded rows are 32-bit words (4 int8 or 2 bf16 values each, the same bits), where
+    the row width fills whole words: XLA:TPU did not compile 8- and 16-bit host arrays (OF.packed)."""
+    rng = np.random.default_rng(1)
+    for d, words in ((32, True), (33, False)):
+        h = jnp.asarray(rng.standard_normal((2, 5, d)).astype(np.float32))
+        for mode in ("int8", "bf16"):
+            pc = PolestarConfig(offload_hidden=mode)
+            q, s = OF.encode(h, pc)
+            plain, _ = (kernels_refresh.quantize_rows(h) if mode == "int8" else (h.astype(jnp.bfloat16), None))
+            shape, dt = OF.store_shape(pc, h.shape, jnp.float32)
+            assert (q.shape, q.dtype) == (shape, dt)
+            if words and OF.host_memory_available():
+                assert dt == jnp.uint32 and shape[-1] == d * plain.dtype.itemsize // 4
+                unpacked = jax.lax.bitcast_convert_type(q, plain.dtype).reshape(plain.shape)
+                np.testing.assert_array_equal(np.asarray(unpacked), np.asarray(plain))  # the same bits
+            else:
+                assert dt == plain.dtype
+            np.testing.assert_array_equal(np.asarray(OF.decode(q, s, pc, jnp.float32)),
+                                          np.asarray(OF.decode(plain, s, pc, jnp.float32)))
+
+
 def _start_state(cfg, pc, prompts, dtype=jnp.float32, abstract=False):
     dc = DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK, polestar=pc)
     return init_decode_state(cfg, dc, prompts, max(len(p) for p in prompts), dtype=dtype, abstract=abstract)
@@ -81,7 +104,7 @@ def test_block_start_stores_encoded_rows_in_host_memory(tiny_p, started):
     # (int8 here; bf16's encoding: test_encode_decode_roundtrip)
     pol = started["int8"].policy_state
     pc = PolestarConfig(offload_hidden="int8")
-    assert pol.hs.dtype == OF.store_dtype(pc, jnp.float32)
+    assert (pol.hs.shape, pol.hs.dtype) == OF.store_shape(pc, exact.shape, jnp.float32)
     if OF.host_memory_available():
         assert pol.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND
         assert pol.hs_scale.sharding.memory_kind == OF.HOST_MEMORY_KIND
@@ -196,7 +219,8 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
     assert 'mhlo.memory_kind = "pinned_host"' in t
     assert '_xla_buffer_placement = "pinned_host"' in t and '_xla_buffer_placement = "device"' in t
     n, r, d = cfg.n_layers, 3 * BLOCK, cfg.d_model
-    assert f"tensor<{n}x2x{r}x{d}xi8>" in t  # the int8 store [N, b, R, D] is an argument/result
+    # the int8 store [N, b, R, D] is an argument/result, in 32-bit words (OF.packed)
+    assert all(f"tensor<{n}x2x{r}x{d // 4}xui32>" in texts[k] for k in ("int8", "tpu"))
     assert "pinned_host" not in texts["none"] and "annotate_device_placement" not in texts["none"]
     # the store's row gathers / scatters run on the host, so only compacted rows cross: the narrowest
     # compiled width (R / 4 rows of int8) is one of the moved shapes
@@ -241,6 +265,26 @@ def test_an_abstract_state_on_a_mesh_keeps_its_store_sharding_in_host_memory(tin
         assert isinstance(a.sharding, NamedSharding) and a.sharding.mesh == mesh, a.sharding
         assert a.sharding.memory_kind == OF.HOST_MEMORY_KIND
     assert state.k_cache.sharding.memory_kind in (None, "device")
+
+
+def test_a_running_batch_with_a_host_store_on_a_tpu_is_a_one_line_error(monkeypatch, tiny_p):
+    """XLA:TPU does not compile the per-row program with the store in host memory (tests/test_tpu_compile.py
+    compiles the fixed batch): a running batch for a TPU says so before anything compiles; elsewhere, and
+    with the store in device memory, it is built."""
+    from polestar_jax.engine.engine import Engine, running_spec
+    from polestar_jax.errors import PolestarError
+
+    cfg, params = tiny_p
+    eng = Engine(params, cfg)
+    dc = lambda mode: DecodeConfig(decoder="polestar", gen_length=GEN, block_length=BLOCK,
+                                   polestar=PolestarConfig(offload_hidden=mode))
+    assert running_spec(eng, dc("int8"), 4).per_row
+    monkeypatch.setattr(Engine, "platform", property(lambda self: "tpu"))
+    assert running_spec(eng, dc("none"), 4).per_row
+    for mode in ("int8", "bf16"):
+        if OF.host_memory_available():
+            with pytest.raises(PolestarError, match=f"host memory \\(--offload-hidden {mode}\\)"):
+                running_spec(eng, dc(mode), 4)
 
 
 def test_backend_without_host_memory_falls_back(monkeypatch, tiny_p):

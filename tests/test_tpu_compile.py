@@ -175,9 +175,9 @@ def test_kernel_compiles_for_tpu(case, tpu):
         assert sum(names.values()) == 1, names
 
 
-def _block_program(sharding, dtype, per_row: bool, kv_cache: str = "float"):
+def _block_program(sharding, dtype, per_row: bool, kv_cache: str = "float", offload: str = "none"):
     """The optimized TPU HLO of a tiny Polestar block program (2 layers, GQA 4 -> 2, prompt 13, block 8) and
-    the shape of its stacked K cache."""
+    the shape of its stacked K cache (``offload``: the hidden-state store's, in host memory where not none)."""
     from polestar_jax.config import DecodeConfig, ModelConfig
     from polestar_jax.decode.block import EngineSpec, Knobs, decode_block
     from polestar_jax.models import llada as M
@@ -188,12 +188,17 @@ def _block_program(sharding, dtype, per_row: bool, kv_cache: str = "float"):
 
     cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=96, vocab_size=64,
                       embedding_size=64, mask_token_id=63, eos_token_id=62, pad_token_id=62, max_sequence_length=128)
-    dcfg = DecodeConfig(decoder="polestar", gen_length=32, block_length=8, kv_cache=kv_cache)
+    from polestar_jax.config import PolestarConfig
+
+    dcfg = DecodeConfig(decoder="polestar", gen_length=32, block_length=8, kv_cache=kv_cache,
+                        polestar=PolestarConfig(offload_hidden=offload))
     spec = dataclasses.replace(EngineSpec.from_config(cfg, dcfg), per_row=per_row)
     params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0), dtype))
     state = init_decode_state(cfg, dcfg, [[0] * 13] * 2, 13, abstract=True, dtype=dtype)
     knobs = jax.eval_shape(lambda: Knobs.from_config(dcfg))
-    put = lambda tree: jax.tree.map(lambda a: S(a.shape, a.dtype, sharding=sharding), tree)
+    # (on the chip; the store in its host memory where the state has it there)
+    put = lambda tree: jax.tree.map(lambda a: S(a.shape, a.dtype, sharding=sharding.with_memory_kind(
+        getattr(getattr(a, "sharding", None), "memory_kind", None) or "device")), tree)
     lowered = jax.jit(decode_block, static_argnames=("spec",)).lower(put(params), put(state), put(knobs), None,
                                                                         spec=spec)
     return lowered.compile().as_text(), jax.tree.leaves(state.k_cache)[0].shape
@@ -217,3 +222,15 @@ def test_polestar_block_compiles_for_tpu_with_its_kernels(dtype, per_row, kv_cac
     assert not re.search(stacked, hlo), shape
     if kv_cache == "int8":
         assert re.search(r"= s8\[[\d,]+\]\S* scatter\(", hlo)  # (the layer's)
+
+
+@pytest.mark.parametrize("offload", ["int8", "bf16"])
+def test_polestar_block_with_its_store_in_host_memory_compiles_for_tpu(offload):
+    """Polestar's hidden-state store offloaded (``--offload-hidden``) compiles for a TPU in a fixed batch, the
+    store in the chip's host memory (``S(5)``) as 32-bit words (:func:`polestar_jax.decode.polestar.offload.packed`:
+    with int8 / bf16 arrays there XLA:TPU stopped at a tile mismatch or at a host computation in a
+    conditional). A running batch does not compile so (engine.running_spec says so in one line: test_offload)."""
+    hlo, _ = _block_program(_one_chip("v5e:2x2"), _BF, False, "float", offload)
+    words = {"int8": 64 // 4, "bf16": 64 // 2}[offload]  # (d_model 64)
+    assert re.search(r"u32\[2,2,24," + str(words) + r"\]\{[^}]*S\(5\)\}", hlo)  # [N, b, R, words] on the host
+    assert {"kl_drift_token", "kl_drift_cluster", "centroid_shift"} <= set(_kernel_names(hlo))

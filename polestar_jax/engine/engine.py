@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from polestar_jax.engine import executables, images as image_table, snapshot
-from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block
+from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block, policy_for
 from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
 from polestar_jax.config import GPU_PLATFORMS, DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError
@@ -515,6 +515,10 @@ def running_spec(engine: Engine, dcfg: DecodeConfig, size: int, sampling: bool =
     blocks; its step chunk, :func:`compact_width` unless ``compact_rows`` sets it; ``sampling``: the sampling
     variant). Ahead-of-time compiles (``bench.tpu_proxy``, ``bench.gpu_proxy``) build the same spec."""
     spec = dataclasses.replace(engine.spec(dcfg), per_row=True)  # rows join and leave at any block boundary
+    own = policy_for(spec.decoder).own
+    problem = None if own is None else own.running_problem(spec.own_config, engine.platform)
+    if problem:
+        raise PolestarError(problem)
     sharded = engine.mesh is not None and engine.mesh.shape.get("data", 1) > 1
     auto = compact_width(size, spec, sharded, engine.platform)
     if compact_rows is not None and compact_rows != auto:

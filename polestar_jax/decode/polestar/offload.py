@@ -31,6 +31,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from polestar_jax.compat import compute_on_host
 from polestar_jax.config import GPU_PLATFORMS, PolestarConfig
@@ -39,7 +40,8 @@ from polestar_jax.kernels.refresh import dequantize_rows, gather_rows, quantize_
 HOST_MEMORY_KIND = "pinned_host"
 
 __all__ = ["HOST_MEMORY_KIND", "NO_HOST_STORE_PLATFORMS", "host_store_supported", "host_memory_available",
-           "uses_host", "store_dtype", "encode", "decode", "to_host", "fetch_rows", "write_rows", "place_store"]
+           "uses_host", "store_dtype", "packed", "store_shape", "running_problem", "encode", "decode", "to_host",
+           "fetch_rows", "write_rows", "place_store"]
 
 
 #: Platforms whose devices have ``pinned_host`` memory but keep the store in device memory: on an H200 (jax
@@ -73,22 +75,55 @@ def uses_host(pc: PolestarConfig) -> bool:
 
 
 def store_dtype(pc: PolestarConfig, model_dtype) -> jnp.dtype:
+    """The dtype of the encoded rows (:func:`encode` before :func:`packed` words)."""
     return {"none": jnp.dtype(model_dtype), "int8": jnp.dtype(jnp.int8),
             "bf16": jnp.dtype(jnp.bfloat16)}[pc.offload_hidden]
 
 
+def packed(pc: PolestarConfig, d: int, model_dtype) -> bool:
+    """Whether the store holds its encoded rows of width ``d`` as 32-bit words (:func:`store_shape`): a store
+    in host memory does (XLA:TPU lays 8- and 16-bit arrays in host memory out in tiles that its host
+    transfers and host computations disagree on: the programs did not compile, ``bench/tpu_proxy.py``), when
+    ``d`` of them fill whole words."""
+    size = store_dtype(pc, model_dtype).itemsize
+    return uses_host(pc) and size < 4 and (d * size) % 4 == 0
+
+
+def store_shape(pc: PolestarConfig, shape: tuple, model_dtype) -> tuple[tuple, jnp.dtype]:
+    """The store array's (shape, dtype) for encoded rows of ``shape`` [..., D]: [..., D * size / 4] uint32
+    words where :func:`packed`, else as encoded."""
+    dt = store_dtype(pc, model_dtype)
+    if packed(pc, shape[-1], model_dtype):
+        return tuple(shape[:-1]) + (shape[-1] * dt.itemsize // 4,), jnp.dtype(jnp.uint32)
+    return tuple(shape), dt
+
+
+def _to_words(x: jax.Array) -> jax.Array:
+    """[..., D] of an 8- or 16-bit dtype -> uint32 [..., D * size / 4], the same bits."""
+    n = 4 // x.dtype.itemsize
+    return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // n, n)), jnp.uint32)
+
+
+def _from_words(w: jax.Array, dtype) -> jax.Array:
+    """Inverse of :func:`_to_words`: uint32 [..., W] -> ``dtype`` [..., W * 4 / size]."""
+    x = lax.bitcast_convert_type(w, dtype)
+    return x.reshape(x.shape[:-2] + (-1,))
+
+
 def encode(h: jax.Array, pc: PolestarConfig) -> tuple[jax.Array, jax.Array]:
-    """Hidden states ``h`` [..., D] -> (stored [..., D], scale [...] float32; zeros unless int8)."""
+    """Hidden states ``h`` [..., D] -> (stored [..., D] (32-bit words where :func:`packed`), scale [...]
+    float32; zeros unless int8)."""
     if pc.offload_hidden == "int8":
-        return quantize_rows(h)
-    scale = jnp.zeros(h.shape[:-1], jnp.float32)
-    if pc.offload_hidden == "bf16":
-        return h.astype(jnp.bfloat16), scale
-    return h, scale
+        q, scale = quantize_rows(h)
+    else:
+        q, scale = h.astype(store_dtype(pc, h.dtype)), jnp.zeros(h.shape[:-1], jnp.float32)
+    return (_to_words(q) if packed(pc, h.shape[-1], h.dtype) else q), scale
 
 
 def decode(stored: jax.Array, scale: jax.Array, pc: PolestarConfig, dtype) -> jax.Array:
     """Inverse of :func:`encode` into ``dtype``."""
+    if stored.dtype == jnp.uint32:
+        stored = _from_words(stored, store_dtype(pc, dtype))
     if pc.offload_hidden == "int8":
         return dequantize_rows(stored, scale, dtype)
     return stored.astype(dtype)
@@ -179,6 +214,18 @@ def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple
         return hs, hs_scale
     put = lambda a: jax.device_put(a, a.sharding.with_memory_kind(HOST_MEMORY_KIND))
     return put(hs), put(hs_scale)
+
+
+def running_problem(pc: PolestarConfig, platform: str) -> Optional[str]:
+    """Why a running batch with this store does not compile for ``platform``, or None: on a TPU, a store in
+    host memory. The per-row program maps each row over the store's batch axis, and XLA:TPU moves that axis
+    with a transpose it cannot place in host memory (an internal error at compile time, jax 0.12 with libtpu
+    0.0.52; fixed batches compile: ``tests/test_tpu_compile.py``)."""
+    if platform == "tpu" and pc.offload_hidden != "none" and host_memory_available():
+        return (f"a running batch (the server, RunningBatch) does not compile on a TPU with Polestar's store in "
+                f"host memory (--offload-hidden {pc.offload_hidden}); leave it none there (fixed batches, as "
+                "generate runs them, take it)")
+    return None
 
 
 def abstract_store(hs, hs_scale) -> tuple:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from polestar_jax.decode.polestar import offload
-from polestar_jax.decode.polestar.offload import store_dtype
+from polestar_jax.decode.polestar.offload import store_shape
 from polestar_jax.decode.state import PolicyState, tree_bytes
 from polestar_jax.config import ModelConfig, PolestarConfig
 from polestar_jax.axes import LAYER_BATCH, axes
@@ -77,7 +77,7 @@ def init_polestar_state(cfg: ModelConfig, pc: PolestarConfig, b: int, length: in
     r = pc.window_rows(block)
     zi = lambda *s: jnp.zeros(s, jnp.int32)
     return PolestarState(
-        hs=jnp.zeros((n, b, r, d), store_dtype(pc, dtype)), hs_scale=jnp.zeros((n, b, r), jnp.float32),
+        hs=jnp.zeros(*store_shape(pc, (n, b, r, d), dtype)), hs_scale=jnp.zeros((n, b, r), jnp.float32),
         labels=jnp.full((n, b, r), -1, jnp.int32),
         centroids=jnp.zeros((n, b, k, d), dtype), counts=jnp.zeros((n, b, k), jnp.float32),
         n_clusters=zi(n, b), s_prev=jnp.zeros((n, b, proxy_heads(cfg, pc), k, length), jnp.float32),
@@ -170,4 +170,5 @@ def _memory(pol: PolestarState, batch: int, pc: PolestarConfig) -> dict:
 
 #: Polestar's state through the generic hooks (``Policy.own``).
 POLESTAR_STATE = PolicyState(config_of=_config_of, init=_init, place=_place, at_rest=_at_rest, reshape=_reshape,
-                             compactable=_compactable, stats=_stats, memory=_memory)
+                             compactable=_compactable, stats=_stats, memory=_memory,
+                             running_problem=offload.running_problem)
