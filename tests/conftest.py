@@ -4,11 +4,12 @@ Speed: the suite compiles each decode shape once per process (shared module / se
 
 No persistent compilation cache: the suite's processes (the pytest-xdist workers, the CLIs they start)
 serialize no executable, except the tests of the cache and the executable store themselves, with folders
-of their own. jax 0.12's CPU executable serializer crashes the process now and then (a segfault or abort in
-``executable.serialize()`` writing a cache entry, seen in CI and here). ``POLESTAR_JAX_CACHE=off`` for the
-whole session keeps ``load()`` and the command lines from turning the user's cache on (two module fixtures'
-``load()`` did, for every later test of their worker), and :func:`no_persistent_cache_left_on` fails a test
-that starts with the cache on.
+of their own, and never touch the user's cache. ``POLESTAR_JAX_CACHE=off`` for the whole session keeps
+``load()`` and the command lines from turning it on (two module fixtures' ``load()`` did, for every later
+test of their worker), and :func:`no_persistent_cache_left_on` fails a test that starts with the cache on.
+
+Compiled code: XLA:CPU maps each kernel it compiles apart, and a worker that holds too many programs passes
+the kernel's ``vm.max_map_count`` and crashes at its next compile (:data:`RELEASE_AT`).
 """
 from __future__ import annotations
 
@@ -61,6 +62,51 @@ def no_persistent_cache_left_on():
     if jax.config.jax_compilation_cache_dir is not None:
         jax.config.update("jax_compilation_cache_dir", None)
         compilation_cache.reset_cache()
+
+
+def mappings() -> int:
+    """Memory mappings of this process (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+#: A worker process releases its compiled programs past this many memory mappings. XLA:CPU maps each
+#: kernel of a program it compiles apart (a Polestar block program of the bundled model: ~1,400 mappings),
+#: and a process past the kernel's limit (vm.max_map_count, 65,530 by default) cannot map more: LLVM fails
+#: with "Cannot allocate memory" and XLA crashes (the suite's native crashes in CI and here, in whichever
+#: test compiled then). The shared engines keep up to 32 programs each.
+RELEASE_AT = _map_limit() // 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_programs_released_before_the_mapping_limit():
+    """After each test file, a worker with many mappings drops its compiled programs: the shared engines
+    (tests/engines.py), every other live engine's programs and JAX's caches. (A full suite on 2 workers
+    peaked at ~36,000 mappings after one file, tests/test_scheduler.py, which had started at ~21,000.)"""
+    yield
+    if mappings() > RELEASE_AT:
+        import gc
+
+        from engines import release_all
+        from polestar_jax.engine.engine import Engine
+
+        release_all()
+        for obj in gc.get_objects():
+            if isinstance(obj, Engine):
+                obj.clear()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

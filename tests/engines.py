@@ -17,6 +17,13 @@ from polestar_jax.engine.engine import Engine, GenerateResult
 _ENGINES: dict = {}
 
 
+def release_all() -> None:
+    """Drops every shared engine (their compiled programs go with them; the next test compiles again)."""
+    for eng in _ENGINES.values():
+        eng.clear()
+    _ENGINES.clear()
+
+
 def _shapes(params) -> tuple:
     leaves, treedef = jax.tree.flatten(params)
     return treedef, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)

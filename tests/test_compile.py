@@ -40,14 +40,20 @@ def bundled():
 def own_persistent_cache(tmp_path):
     """JAX's persistent compilation cache in a folder of this test's (every program written); turned off
     after the test (``conftest.no_persistent_cache_left_on``)."""
-    names = ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+    names = ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes",
+             "jax_enable_compilation_cache")
     before = {name: getattr(jax.config, name) for name in names}
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
-    for name in names:
+    for name in names[:2]:
         jax.config.update(name, 0)
+    # (on: the GPU / TPU proxies, run in-process by other tests of this worker, turn the cache off)
+    jax.config.update("jax_enable_compilation_cache", True)
     # JAX decides once per process whether its cache is in use (at the first compile, then remembered until
     # reset_cache()): an earlier compile of this worker's, with no cache folder, would leave it off here
     compilation_cache.reset_cache()
+    # and a program an earlier test of this worker compiled would come from JAX's in-memory caches: never
+    # compiled here, never written to this folder
+    jax.clear_caches()
     yield
     for name, value in before.items():
         jax.config.update(name, value)
