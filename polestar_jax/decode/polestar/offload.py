@@ -18,8 +18,8 @@ jax.memory.Space.Host)`` inside the layer scan). A refresh step reads and writes
 rows -- at most one layer's ``R`` rows, usually fewer (see :mod:`polestar_jax.decode.polestar.compaction`) -- cross to the
 device and back. XLA turns the placements into asynchronous host<->device copies that overlap the layer's
 compute (they are the ``annotate_device_placement`` custom calls of the lowered module). Where the backend has no
-``pinned_host`` memory -- or on a GPU, where XLA did not compile the refresh step with the store in host
-memory (:data:`NO_HOST_STORE_PLATFORMS`) -- the store stays in device memory, still quantised, with a
+``pinned_host`` memory -- or on a GPU or a TPU, where XLA did not compile the block program with the store
+in host memory (:data:`NO_HOST_STORE_PLATFORMS`) -- the store stays in device memory, still quantised, with a
 warning, and the row gather / scatter kernels of :mod:`polestar_jax.kernels.refresh` read and write it in
 place.
 """
@@ -47,8 +47,10 @@ __all__ = ["HOST_MEMORY_KIND", "NO_HOST_STORE_PLATFORMS", "host_store_supported"
 #: Platforms whose devices have ``pinned_host`` memory but keep the store in device memory: on an H200 (jax
 #: 0.11.2) XLA failed to compile the refresh step with the store in host memory (a layout-assignment error
 #: on the layer scan's memory-space annotations), while the block start and the plain step compiled
-#: (bench/README.md, GPU check).
-NO_HOST_STORE_PLATFORMS = GPU_PLATFORMS
+#: (bench/README.md, GPU check); for a TPU (libtpu 0.0.52, compiled from a CPU host) the test model's and
+#: 2 LLaDA-8B layers' programs compiled with the store's words there, all 32 layers did not (an internal
+#: error on the row scales' host computation, batch 1 and 32: docs/kernels.md).
+NO_HOST_STORE_PLATFORMS = GPU_PLATFORMS + ("tpu",)
 
 
 def host_store_supported(dev) -> bool:
@@ -217,14 +219,15 @@ def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple
 
 
 def running_problem(pc: PolestarConfig, platform: str) -> Optional[str]:
-    """Why a running batch with this store does not compile for ``platform``, or None: on a TPU, a store in
-    host memory. The per-row program maps each row over the store's batch axis, and XLA:TPU moves that axis
-    with a transpose it cannot place in host memory (an internal error at compile time, jax 0.12 with libtpu
-    0.0.52; fixed batches compile: ``tests/test_tpu_compile.py``)."""
+    """Why a running batch with this store does not compile for ``platform``, or None: a store in host
+    memory for a TPU (a program compiled ahead for one from a host that offloads; on a TPU itself the store
+    stays in device memory, :data:`NO_HOST_STORE_PLATFORMS`). The per-row program maps each row over the
+    store's batch axis, and XLA:TPU moves that axis with a transpose it cannot place in host memory (an
+    internal error at compile time, jax 0.12 with libtpu 0.0.52, even where a fixed batch compiles:
+    ``tests/test_tpu_compile.py``)."""
     if platform == "tpu" and pc.offload_hidden != "none" and host_memory_available():
-        return (f"a running batch (the server, RunningBatch) does not compile on a TPU with Polestar's store in "
-                f"host memory (--offload-hidden {pc.offload_hidden}); leave it none there (fixed batches, as "
-                "generate runs them, take it)")
+        return (f"a running batch (the server, RunningBatch) does not compile for a TPU with Polestar's store in "
+                f"host memory (--offload-hidden {pc.offload_hidden}); leave it none there")
     return None
 
 
@@ -246,8 +249,8 @@ def abstract_store(hs, hs_scale) -> tuple:
 
 
 def _warn_no_host(backend: str) -> None:
-    why = (f"the Polestar refresh step does not compile on {backend!r} with the store in '{HOST_MEMORY_KIND}' "
-           "memory (an XLA layout error, seen with jax 0.11.2)" if backend in NO_HOST_STORE_PLATFORMS
+    why = (f"the Polestar block program does not compile on {backend!r} with the store in '{HOST_MEMORY_KIND}' "
+           "memory (an XLA error: docs/kernels.md)" if backend in NO_HOST_STORE_PLATFORMS
            else f"backend {backend!r} has no '{HOST_MEMORY_KIND}' memory")
     warnings.warn(f"{why}: the offloaded Polestar hidden states stay in device memory (still in the offload "
                   "dtype)", RuntimeWarning, stacklevel=3)
