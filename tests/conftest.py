@@ -53,7 +53,7 @@ def no_persistent_cache_left_on():
     """No test starts with JAX's persistent compilation cache on (a module or session fixture that turns it
     on, such as ``load()`` without ``compile_cache=False``, fails here), and a test that turns it on (the
     cache's own tests, a command line run in-process with a cache folder) has it turned off after it."""
-    from jax._src import compilation_cache
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
     assert jax.config.jax_compilation_cache_dir is None, (
         f"the persistent compilation cache is on ({jax.config.jax_compilation_cache_dir}) before the test: a "
@@ -61,7 +61,7 @@ def no_persistent_cache_left_on():
     yield
     if jax.config.jax_compilation_cache_dir is not None:
         jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()
+        reset_cache()
 
 
 def mappings() -> int:

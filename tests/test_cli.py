@@ -22,17 +22,6 @@ TINY_A_DIR = Path(__file__).parent / "data" / "llada_tiny_a"
 TIMEOUT = 120
 
 
-@pytest.fixture(scope="module")
-def env(subprocess_env) -> dict:
-    return subprocess_env
-
-
-@pytest.fixture(autouse=True)
-def _cli_cache(monkeypatch):
-    """In-process ``main()`` calls run without the persistent cache (never the user's; see conftest.py)."""
-    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
-
-
 def _run(env: dict, module: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT)
@@ -56,9 +45,9 @@ def _main(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- generate
-def test_generate_json(env):
+def test_generate_json(subprocess_env):
     # --decoder fastdllm: the default decoder (polestar) compiles for ~20 s; its own tests cover it
-    r = _run(env, "polestar_jax.generate", "--prompt", "copy: ann,bob,cal", "--gen-length", "32",
+    r = _run(subprocess_env, "polestar_jax.generate", "--prompt", "copy: ann,bob,cal", "--gen-length", "32",
              "--block-length", "8", "--json", "--decoder", "fastdllm")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
@@ -193,9 +182,9 @@ def test_generate_bad_input_in_process(name, bad_folders, capsys):
 
 
 @pytest.mark.parametrize("name", ["missing_model", "corrupt_safetensors", "unknown_decoder"])
-def test_generate_bad_input_subprocess(name, bad_folders, env):
+def test_generate_bad_input_subprocess(name, bad_folders, subprocess_env):
     argv, part = BAD_INPUTS[name]
-    r = _run(env, "polestar_jax.generate", *argv(bad_folders))
+    r = _run(subprocess_env, "polestar_jax.generate", *argv(bad_folders))
     _assert_one_error_line(r.returncode, r.stdout, r.stderr)
     assert part in r.stderr
 
@@ -216,7 +205,7 @@ def _golden_copy(folder: Path, tiny_a_cases: dict, names: list[str], logits: int
                 generate_cases=[json.loads(json.dumps(by_name[n])) for n in names])
 
 
-def test_crosscheck_golden_folder(env, tiny_a_cases, tmp_path):
+def test_crosscheck_golden_folder(subprocess_env, tiny_a_cases, tmp_path):
     """``python -m polestar_jax.crosscheck FOLDER`` on a copy with two logits cases and one generate case of
     each reference function (the 41-token prompt): exit 0 and the summary line. (The whole folder, 123 cases,
     is replayed in-process by tests/test_engine.py and through this command by .ci/run.)"""
@@ -227,12 +216,12 @@ def test_crosscheck_golden_folder(env, tiny_a_cases, tmp_path):
     folder = tmp_path / "subset"
     data = _golden_copy(folder, tiny_a_cases, names, logits=2)
     (folder / "cases.json").write_text(json.dumps(data))
-    r = _run(env, "polestar_jax.crosscheck", str(folder))
+    r = _run(subprocess_env, "polestar_jax.crosscheck", str(folder))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "6 passed, 0 failed"
 
 
-def test_crosscheck_reports_an_altered_token(env, tiny_a_cases, tmp_path):
+def test_crosscheck_reports_an_altered_token(subprocess_env, tiny_a_cases, tmp_path):
     """A copy with one generated token changed (in ``generated_ids``, ``output_ids`` and the trajectory) fails
     exactly that case and names the forward that committed it."""
     folder = tmp_path / "altered"
@@ -250,7 +239,7 @@ def test_crosscheck_reports_an_altered_token(env, tiny_a_cases, tmp_path):
     victim["output_ids"][pos] = new
     (folder / "cases.json").write_text(json.dumps(data))
 
-    r = _run(env, "polestar_jax.crosscheck", str(folder))
+    r = _run(subprocess_env, "polestar_jax.crosscheck", str(folder))
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
     fail = [line for line in lines if victim["name"] in line]

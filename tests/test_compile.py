@@ -13,7 +13,7 @@ import os
 
 import jax
 import pytest
-from jax._src import compilation_cache
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from polestar_jax.engine import executables
 from polestar_jax import generate as gen_cli
@@ -50,7 +50,7 @@ def own_persistent_cache(tmp_path):
     jax.config.update("jax_enable_compilation_cache", True)
     # JAX decides once per process whether its cache is in use (at the first compile, then remembered until
     # reset_cache()): an earlier compile of this worker's, with no cache folder, would leave it off here
-    compilation_cache.reset_cache()
+    reset_cache()
     # and a program an earlier test of this worker compiled would come from JAX's in-memory caches: never
     # compiled here, never written to this folder
     jax.clear_caches()

@@ -201,7 +201,7 @@ def test_generate_cli_subprocess(subprocess_env):
     cmd = [sys.executable, "-m", "polestar_jax.generate", "--model", "polestar_jax/assets/tiny_dream",
            "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], *GEN, "--json"]
     env = dict(subprocess_env, POLESTAR_JAX_CACHE="off",
-               JAX_DEFAULT_MATMUL_PRECISION="highest")  # as this session (conftest), so its cache entries match
+               JAX_DEFAULT_MATMUL_PRECISION="highest")  # as this session (conftest): the same numbers
     r = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])

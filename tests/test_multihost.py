@@ -53,12 +53,6 @@ def _has_lm_eval() -> bool:
     return True
 
 
-@pytest.fixture(autouse=True)
-def _session_cache(monkeypatch):
-    """Commands run here (and their subprocesses) run without the persistent compilation cache."""
-    monkeypatch.setenv("POLESTAR_JAX_CACHE", "off")
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
