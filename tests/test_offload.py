@@ -233,7 +233,7 @@ def test_offload_placement_annotations_in_gpu_export(tiny_p):
 def test_host_store_only_where_the_refresh_step_compiles(monkeypatch):
     """A device offloads the store when it has pinned_host memory and is not a GPU or a TPU (where XLA did
     not compile the block program with the store in host memory: an H200 with jax 0.11.2; LLaDA-8B's 32
-    layers for v5e with libtpu 0.0.52); the fallback's warning says which of the two it is."""
+    layers for v5e with libtpu 0.0.50.1); the fallback's warning says which of the two it is."""
     from types import SimpleNamespace
 
     dev = lambda platform, *kinds: SimpleNamespace(

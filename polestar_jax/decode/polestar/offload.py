@@ -47,7 +47,7 @@ __all__ = ["HOST_MEMORY_KIND", "NO_HOST_STORE_PLATFORMS", "host_store_supported"
 #: Platforms whose devices have ``pinned_host`` memory but keep the store in device memory: on an H200 (jax
 #: 0.11.2) XLA failed to compile the refresh step with the store in host memory (a layout-assignment error
 #: on the layer scan's memory-space annotations), while the block start and the plain step compiled
-#: (bench/README.md, GPU check); for a TPU (libtpu 0.0.52, compiled from a CPU host) the test model's and
+#: (bench/README.md, GPU check); for a TPU (libtpu 0.0.50.1, compiled from a CPU host) the test model's and
 #: 2 LLaDA-8B layers' programs compiled with the store's words there, all 32 layers did not (an internal
 #: error on the row scales' host computation, batch 1 and 32: docs/kernels.md).
 NO_HOST_STORE_PLATFORMS = GPU_PLATFORMS + ("tpu",)
@@ -223,7 +223,7 @@ def running_problem(pc: PolestarConfig, platform: str) -> Optional[str]:
     memory for a TPU (a program compiled ahead for one from a host that offloads; on a TPU itself the store
     stays in device memory, :data:`NO_HOST_STORE_PLATFORMS`). The per-row program maps each row over the
     store's batch axis, and XLA:TPU moves that axis with a transpose it cannot place in host memory (an
-    internal error at compile time, jax 0.12 with libtpu 0.0.52, even where a fixed batch compiles:
+    internal error at compile time, jax 0.12 with libtpu 0.0.50.1, even where a fixed batch compiles:
     ``tests/test_tpu_compile.py``)."""
     if platform == "tpu" and pc.offload_hidden != "none" and host_memory_available():
         return (f"a running batch (the server, RunningBatch) does not compile for a TPU with Polestar's store in "
