@@ -210,7 +210,7 @@ def test_polestar_block_compiles_for_tpu_with_its_kernels(dtype, per_row, kv_cac
     """(One target, v5e, to keep the suite's budget: the kernels alone compile for v5e and v6e above.) No row
     scatter writes into the stacked cache (XLA:TPU copied the whole cache around each one): an int8 cache's
     refresh rows go through the layer's cache (``polestar.step.rows_by_layer``), a running batch's
-    per-row writes an entry at a time (``llada._entry_by_entry``)."""
+    per-row writes an entry at a time (``llada._entry_by_entry``). No stacked weight is copied transposed."""
     hlo, shape = _block_program(_one_chip("v5e:2x2"), dtype, per_row, kv_cache)
     names = _kernel_names(hlo)
     want = {"kl_drift_token", "kl_drift_cluster", "centroid_shift", "gather_rows", "scatter_rows"}
@@ -222,6 +222,12 @@ def test_polestar_block_compiles_for_tpu_with_its_kernels(dtype, per_row, kv_cac
     assert not re.search(stacked, hlo), shape
     if kv_cache == "int8":
         assert re.search(r"= s8\[[\d,]+\]\S* scatter\(", hlo)  # (the layer's)
+    # no copy of a stacked weight [N, in, out] in a transposed layout (XLA:TPU hoisted one out of a running
+    # batch's layer loops: quant.row_major_on_tpu)
+    weights = {(2, 64, 64), (2, 64, 32), (2, 64, 96), (2, 96, 64)}  # wq / wo, wk / wv, w_gate / w_up, w_down
+    transposed = [m for m in re.findall(r"= \w+\[([\d,]+)\]\{1,2,0[^}]*\} copy\(", hlo)
+                  if tuple(map(int, m.split(","))) in weights]
+    assert not transposed, transposed
 
 
 @pytest.mark.parametrize("offload", ["int8", "bf16"])

@@ -34,6 +34,23 @@ def test_kv_cache_goes_to_the_cached_decoders_rows():
     assert "| int8, int8 K/V |" in tpu_proxy.table(rows)
 
 
+def test_per_device_bytes_are_what_xla_allocates():
+    """A row's bytes are the HBM XLA's buffer assignment allocates (the total its compile-time check holds
+    against the chip); without that number, arguments + outputs - aliased + temporaries."""
+    class Analysis:
+        argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes, temp_size_in_bytes = 100, 40, 30, 50
+        total_allocation_bytes = 140
+
+    class Compiled:
+        def memory_analysis(self):
+            return Analysis()
+
+    assert tpu_proxy.per_device_bytes(Compiled()) == 140
+    assert tpu_proxy.memory_parts(Compiled())["allocated_bytes"] == 140
+    Analysis.total_allocation_bytes = 0
+    assert tpu_proxy.per_device_bytes(Compiled()) == 100 + 40 - 30 + 50
+
+
 def test_oom_bytes_reads_xla_refusal():
     assert tpu_proxy.oom_bytes(OOM) == int(18.55 * (1 << 30))
     assert tpu_proxy.oom_bytes("Ran out of memory in memory space hbm. Used 20.5G of 15.75G hbm.") == int(

@@ -30,7 +30,9 @@ from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from polestar_jax import compat
 from polestar_jax.errors import ConfigError
 
 #: The weight storage modes a model loads with: ``float`` (as stored or cast with ``dtype``) or ``int8``.
@@ -110,9 +112,29 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
     ``(x @ q) * scale`` with ``q`` converted to ``x.dtype`` in the product, float32 accumulation, the result in
     ``x.dtype``. [..., out]."""
     if not isinstance(w, QTensor):
-        return x @ w
-    y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
+        return x @ row_major_on_tpu(w)
+    y = jnp.matmul(x, row_major_on_tpu(w.q).astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w.scale[..., 0, :].astype(jnp.float32)).astype(x.dtype)
+
+
+def row_major_on_tpu(w: jax.Array) -> jax.Array:
+    """``w`` [..., in, out] as it is, held in its stored (row-major) layout when the program is lowered for a
+    TPU (a layout constraint; other targets: ``w`` untouched). XLA:TPU otherwise chooses a transposed layout
+    for some products (those whose results it lays out sequence-minor, e.g. a running batch's per-row block
+    start) and, the weight being a layer's slice of the stacked weights, hoists that transpose out of the
+    layer loops as a copy of every layer's weight: LLaDA-8B's running batch on one v5e chip copied the stacked
+    int8 ``wq``, ``wk``, ``wv`` (1.5 GiB) so (``bench/tpu_proxy.py``). An export
+    (:func:`polestar_jax.compat.export`) carries no constraint: its custom call has no serialization
+    guarantee."""
+    if w.ndim < 2 or compat.kernels_staged():
+        return w
+    return lax.platform_dependent(w, tpu=_row_major, default=lambda a: a)
+
+
+def _row_major(w: jax.Array) -> jax.Array:
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    return with_layout_constraint(w, Layout(tuple(range(w.ndim))))
 
 
 def head(h: jax.Array, w: Weight) -> jax.Array:
