@@ -36,7 +36,7 @@ from jax import lax
 from polestar_jax.axes import ROWS
 from polestar_jax.config import ModelConfig
 from polestar_jax.models import kv_quant
-from polestar_jax.models.quant import head as _head, matmul as mm, take_rows
+from polestar_jax.models.quant import head as _head, matmul as mm, row_major_on_tpu, take_rows
 
 Params = dict[str, Any]
 LayerParams = dict[str, jax.Array]
@@ -85,6 +85,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
     with ``return_probs`` also the attention probabilities [b, H, T, L] (float32). ``k`` / ``v`` may be an
     int8 cache's layer (:mod:`polestar_jax.models.kv_quant`): the exact path reads it, scales applied per key.
     """
+    if not return_probs and q.shape[2] * k.shape[2] * 4 >= _HEAD_AT_A_TIME_BYTES:
+        # (a full pass's float32 scores of every head at once: 1 GiB at LLaDA-8B's batch 32 on a TPU, which
+        # has no fused attention here; other targets as below)
+        return lax.platform_dependent(q, k, v, key_valid, tpu=attention_by_heads,
+                                      default=lambda q, k, v, kv_: _attention(q, k, v, kv_, False))
+    return _attention(q, k, v, key_valid, return_probs)
+
+
+#: the bytes of one head's float32 scores (T x L) from which a TPU's attention takes a KV head at a time
+_HEAD_AT_A_TIME_BYTES = 1 << 20
+
+
+def attention_by_heads(q: jax.Array, k: Any, v: Any, key_valid: Optional[jax.Array]) -> jax.Array:
+    """:func:`attention_exact` (no probabilities), equal values, a KV head (and its group of query heads) at a
+    time in a loop, so that one group's float32 scores exist at once, not every head's."""
+    b, h, t, hd = q.shape
+    kv = jax.tree.leaves(k)[0].shape[1]
+    qg = jnp.moveaxis(q.reshape(b, kv, h // kv, t, hd), 1, 0)  # [KV, b, g, T, hd]
+    by_head = lambda x: jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0)[:, :, None], x)  # [KV, b, 1, L, ...]
+    o = lax.map(lambda a: attention_exact(a[0], a[1], a[2], key_valid), (qg, by_head(k), by_head(v)))
+    return jnp.moveaxis(o, 0, 1).reshape(b, h, t, hd)
+
+
+def _attention(q: jax.Array, k: Any, v: Any, key_valid: Optional[jax.Array], return_probs: bool):
     if kv_quant.is_int8(k) or kv_quant.is_int8(v):
         return attention_exact(q, k, v, key_valid, return_probs)
     if not return_probs and q.dtype in (jnp.bfloat16, jnp.float16) and fused_pays(q, k) and cudnn_available():
@@ -327,8 +351,10 @@ class CacheSlot(NamedTuple):
 
     def put_layer(self, new: Any) -> "CacheSlot":
         """The slot with layer ``i``'s buffers replaced by ``new`` (whole)."""
+        # (held row-major on a TPU: XLA:TPU laid the block start's int8 keys out sequence-minor, and the whole
+        # stacked cache with them: a 2 GiB copy at LLaDA-8B's batch 32)
         return self._replace(buffers=jax.tree.map(
-            lambda a, u: put_own(_put_layer, a, u.astype(a.dtype), self.i), self.buffers,
+            lambda a, u: put_own(_put_layer, a, _row_major_int8(u.astype(a.dtype)), self.i), self.buffers,
             kv_quant.stored_like(self.buffers, new)))
 
     def rows(self, start: Any, t: int, axis: int) -> Any:
@@ -352,6 +378,10 @@ class CacheSlot(NamedTuple):
             kv_quant.stored_like(self.buffers, new)))
 
 
+def _row_major_int8(u: jax.Array) -> jax.Array:
+    return row_major_on_tpu(u) if u.dtype == jnp.int8 else u
+
+
 def _put_layer(a, u, i, axis: int = 0):
     """Layer ``i`` of ``a`` [N, b, ...] replaced by ``u`` [b, ...]."""
     return lax.dynamic_update_index_in_dim(a, u, i, 0)
@@ -361,11 +391,53 @@ def _put_rows(a, u, i, start, axis: int):
     """``u`` [b, ..., T, ...] written at ``[start, start + T)`` along ``axis`` of layer ``i`` of ``a`` [N, b,
     ...]; a ``start`` per row ([b]: the rows of a shared buffer) makes it a row scatter."""
     if jnp.ndim(start) == 0:
-        idx = [jnp.int32(0)] * a.ndim
-        idx[0], idx[axis + 1] = i, start
-        return lax.dynamic_update_slice(a, u[None], idx)
+        return _put_rows_slice(a, u, i, start, axis)
     pos = start[:, None] + jnp.arange(u.shape[axis], dtype=jnp.int32)
     return _scatter_rows(a, u, i, pos, jnp.ones(pos.shape, bool), axis)
+
+
+def _put_rows_slice(a, u, i, start, axis: int):
+    idx = [jnp.int32(0)] * a.ndim
+    idx[0], idx[axis + 1] = i, start
+    return lax.dynamic_update_slice(a, u[None], idx)
+
+
+#: XLA:TPU tiles an int8 array by 32 positions of its second-minor axis (the K/V cache's sequence axis)
+_INT8_TILE = 32
+
+
+def _put_rows_tiled(a, u, i, start, axis: int, keep=None):
+    """``u`` [b, ..., T, ...] written at ``[start, start + T)`` along ``axis`` of layer ``i`` of ``a`` [N, b,
+    ...] where ``keep`` (broadcast to ``u``; None: everywhere), as a dynamic_update_slice would (its clamp of
+    ``start``), for an int8 buffer on a TPU: the rows are merged into a window of whole tiles
+    (:data:`_INT8_TILE` positions along ``axis``, read and written at a tile index), so no read or write lands
+    at a position XLA cannot prove tile-aligned. Such reads and writes made XLA:TPU copy the whole stacked
+    cache into (8, 128) tiles and back in every layer of every step (LLaDA-8B's Polestar program at batch 32 on
+    one v5e chip: two 2 GiB copies among its temporaries, ``bench/tpu_proxy.py``)."""
+    ax, c = axis + 1, _INT8_TILE
+    s, t = a.shape[ax], u.shape[axis]
+    n_w = min(-(-t // c) + 1, s // c)  # tiles in the window: room for t rows at any offset within a tile
+    w = n_w * c
+    start = jnp.clip(jnp.asarray(start, jnp.int32), 0, s - t)
+    c0 = jnp.clip(start // c, 0, s // c - n_w)
+    off = start - c0 * c  # in [0, w - t]
+    tiled = a.reshape(a.shape[:ax] + (s // c, c) + a.shape[ax + 1:])
+    at = [jnp.int32(0)] * tiled.ndim
+    at[0], at[ax] = i, c0
+    size = (1,) + tiled.shape[1:ax] + (n_w, c) + tiled.shape[ax + 2:]
+    win = lax.dynamic_slice(tiled, at, size).reshape(size[:ax] + (w,) + size[ax + 2:])
+
+    def place(x):  # x [1, ..., t, ...] -> [1, ..., w, ...], x's rows at [off, off + t), zeros elsewhere
+        pad = [(0, 0)] * x.ndim
+        pad[ax] = (w, w - t)
+        return lax.dynamic_slice_in_dim(jnp.pad(x, pad), w - off, w, axis=ax)
+
+    j = jnp.arange(w, dtype=jnp.int32) - off
+    inside = ((j >= 0) & (j < t)).reshape([w if d == ax else 1 for d in range(win.ndim)])
+    if keep is not None:
+        inside = inside & place(jnp.broadcast_to(keep, u.shape)[None])
+    new = jnp.where(inside, place(u[None].astype(a.dtype)), win).reshape(size)
+    return lax.dynamic_update_slice(tiled, new, at).reshape(a.shape)
 
 
 def _scatter_rows(a, u, i, idx, valid, axis: int):
@@ -620,6 +692,13 @@ class SlotWrite:
         self.slot, self.start, self.mask = slot, start, mask
 
     def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if _tiled_write(self.slot.buffers, k.shape[2]):  # (an int8 cache's write on a TPU: see _put_rows_tiled)
+            w = None if self.mask is None else self.mask[:, None, :, None]
+            new = kv_quant.stored_like(self.slot.buffers, (k, v))
+            buffers = lax.platform_dependent(self.slot.buffers, new, self.slot.i, jnp.asarray(self.start, jnp.int32),
+                                             w, tpu=_masked_put_tiled, default=_masked_put)
+            self.slot = self.slot._replace(buffers=buffers)
+            return self.slot.layer()
         if self.mask is not None:
             old = self.slot.rows(self.start, k.shape[2], axis=2)
             w = self.mask[:, None, :, None]
@@ -627,6 +706,35 @@ class SlotWrite:
             k, v = jax.tree.map(lambda n, o: jnp.where(w, n, o), kv_quant.stored_like(old, (k, v)), old)
         self.slot = self.slot.put_rows((k, v), self.start, axis=2)
         return self.slot.layer()
+
+
+def _tiled_write(buffers: Any, t: int) -> bool:
+    """Whether a block's K/V write of ``t`` rows into the stacked ``buffers`` takes :func:`_masked_put_tiled` on
+    a TPU: an int8 cache of a fixed batch (not the rows ``vmap`` of a running batch, whose writes go entry by
+    entry) whose sequence axis is whole tiles."""
+    q = buffers[0].q if kv_quant.is_int8(buffers[0]) else None
+    return q is not None and _rows_axis() is None and q.shape[3] % _INT8_TILE == 0 and t <= q.shape[3]
+
+
+def _masked_put(buffers: Any, new: Any, i: jax.Array, start: jax.Array, keep: jax.Array) -> Any:
+    """The stacked ``buffers`` (each [N, b, KV, L, ...]) with layer ``i``'s positions ``[start, start + T)``
+    set to ``new`` (each [b, KV, T, ...], stored form) where ``keep`` ([b, 1, T, 1]; None: everywhere), kept
+    elsewhere."""
+    def put(a, u):
+        u = u.astype(a.dtype)
+        if keep is not None:
+            old = lax.dynamic_slice_in_dim(lax.dynamic_index_in_dim(a, i, 0, keepdims=False), start, u.shape[2], 2)
+            u = jnp.where(keep, u, old)
+        return _put_rows_slice(a, u, i, start, 2)
+
+    return jax.tree.map(put, buffers, new)
+
+
+def _masked_put_tiled(buffers: Any, new: Any, i: jax.Array, start: jax.Array, keep: jax.Array) -> Any:
+    """:func:`_masked_put`, equal values, with the int8 arrays written through whole tiles
+    (:func:`_put_rows_tiled`; their old rows are read there, in the window)."""
+    return jax.tree.map(lambda a, u: _put_rows_tiled(a, u, i, start, 2, keep) if a.dtype == jnp.int8
+                        else _masked_put(a, u, i, start, keep), buffers, new)
 
 
 def slice_write(cache: Any, start: Any, mask: Optional[jax.Array] = None):

@@ -436,17 +436,23 @@ def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc:
     # the scan's carry beside the K/V cache when its rows are written in place, else as the scan's inputs
     direct = refresh and store_in_place(pc, pol.hs.dtype)
     store = (pol.hs, pol.hs_scale) if refresh and not direct else ()
+    # (the previous proxy attention rides in the carry too, each layer's replaced on a refresh: as the scan's
+    # inputs and outputs it was held twice, 512 MiB each at LLaDA-8B's batch 32, and copied by a plain step)
     xs = LayerIn(params["blocks"], store, pol.labels, pol.centroids, pol.counts,
-                 pol.n_clusters, pol.s_prev, forced[0], forced[1], jnp.arange(n_layers))
+                 pol.n_clusters, None, forced[0], forced[1], jnp.arange(n_layers))
     def body(c, x, slot):  # the K/V cache (and the store) ride in the scan's carry (model.layer_scan)
         # the block rows' K/V (and a refresh's packet rows') written into the slot
         kv, st = CacheSlot(slot.buffers[0], slot.i), CacheSlot(slot.buffers[1], slot.i) if direct else None
+        sp = CacheSlot(slot.buffers[2], slot.i)
+        x = x._replace(s_prev=sp.layer())
         c, (outs, stats) = refresh_layer(ctx, c, x, dt, kv, st) if refresh else plain_layer(ctx, c, x, kv)
-        return c, (outs._replace(k=None, v=None), stats), \
-            CacheSlot((outs.k.buffers, outs.v.buffers if direct else ()), slot.i)
+        if refresh:
+            sp = sp.put_layer(outs.s_prev)
+        return c, (outs._replace(k=None, v=None, s_prev=None), stats), \
+            CacheSlot((outs.k.buffers, outs.v.buffers if direct else (), sp.buffers), slot.i)
 
-    bufs = ((state.k_cache, state.v_cache), (pol.hs, pol.hs_scale) if direct else ())
-    carry, (outs, stats), ((k_new, v_new), new_store) = layer_scan(body, carry0, xs, bufs, unroll=unroll)
+    bufs = ((state.k_cache, state.v_cache), (pol.hs, pol.hs_scale) if direct else (), pol.s_prev)
+    carry, (outs, stats), ((k_new, v_new), new_store, s_prev) = layer_scan(body, carry0, xs, bufs, unroll=unroll)
     hs, hs_scale = new_store if direct else outs.store if refresh else (pol.hs, pol.hs_scale)
     pred = pred_suf = None
     if refresh and suf:  # the refreshed suffix rows predict their own positions: one LM-head GEMM with the block's
@@ -467,7 +473,7 @@ def step_layers(params, state: DecodeState, geo: Geometry, cfg: ModelConfig, pc:
             pred, pred_suf = _scored(fam, fam.lm_head(params, fam.head_rows(carry.h_blk, 0, block), cfg), block, suf,
                                      score)
     moved = jnp.where(cluster_rows[None, :], (stats.n_read + stats.n_fetch)[:, None], 0).astype(jnp.int32)
-    out = StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, outs.s_prev, None, None, logits, logits_suf,
+    out = StepForwardOut(k_new, v_new, hs, hs_scale, outs.centroids, s_prev, None, None, logits, logits_suf,
                          sel_suf, stats.scores, stats.selected, stats.own, stats.n_rows, moved, pred, pred_suf)
     return StepLayers(carry.h_blk, carry.q_blk, carry.k_rot, out)
 
