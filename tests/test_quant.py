@@ -469,3 +469,42 @@ def test_int8_refresh_rows_by_layer_equal_in_place():
     want = quant.quantize(rows[0][0, :, 1], -1)  # row 0's entry at position 5
     np.testing.assert_array_equal(k.q[0, :, 5], want.q)
     np.testing.assert_array_equal(k.q[0, :, 10], old.q[1, 0, :, 10])  # (not valid: kept)
+
+
+# ---------------------------------------------------------------------- the TPU forms, run on the CPU
+def _kv(key, shape, int8: bool):
+    x = jax.random.normal(key, shape, jnp.float32)
+    return kv_quant.stored(x, kv_quant.empty(shape, jnp.float32, "int8")) if int8 else x
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_attention_a_kv_head_at_a_time_equals_every_head_at_once(int8):
+    """``llada.attention_by_heads`` (a TPU's full-pass attention: one KV head's float32 scores at a time)
+    gives the exact path's values: GQA (4 query heads on 2 KV heads), padded keys, float or int8 K/V."""
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(ks[0], (2, 4, 16, 8), jnp.float32)
+    k, v = _kv(ks[1], (2, 2, 16, 8), int8), _kv(ks[2], (2, 2, 16, 8), int8)
+    valid = jnp.arange(16)[None] < jnp.array([[16], [11]])
+    want = jax.jit(llada.attention_exact)(q, k, v, valid)
+    got = jax.jit(llada.attention_by_heads)(q, k, v, valid)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("start", [0, 5, 31, 32, 40, 70, 90])
+@pytest.mark.parametrize("masked", [False, True])
+def test_int8_cache_write_through_whole_tiles_equals_the_slice_write(start, masked):
+    """``llada._masked_put_tiled`` (an int8 cache's block write on a TPU: the rows merged into a window of
+    whole 32-position tiles) writes what the slice write does, at aligned and unaligned starts, near the end
+    (a start past L - T clamps as dynamic_update_slice does) and with rows kept where ``keep`` is False."""
+    n, b, kv, length, t, hd = 2, 3, 2, 96, 20, 8
+    ks = jax.random.split(jax.random.PRNGKey(start), 4)
+    cache = (_kv(ks[0], (n, b, kv, length, hd), True), _kv(ks[1], (n, b, kv, length, hd), True))
+    new = kv_quant.stored_like(cache, (jax.random.normal(ks[2], (b, kv, t, hd)),
+                                       jax.random.normal(ks[3], (b, kv, t, hd))))
+    keep = jnp.array([True, False, True])[:, None, None, None] & jnp.ones((1, 1, t, 1), bool) if masked else None
+    i, at = jnp.int32(1), jnp.int32(start)
+    want = jax.jit(llada._masked_put)(cache, new, i, at, keep)
+    got = jax.jit(llada._masked_put_tiled)(cache, new, i, at, keep)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert not np.array_equal(np.asarray(jax.tree.leaves(want)[0]), np.asarray(jax.tree.leaves(cache)[0]))
