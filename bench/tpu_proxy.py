@@ -29,7 +29,9 @@ the engine lowers its programs under the mesh and :mod:`kernels.backend` wraps e
 
 ``--weights int8`` builds the parameters with int8 matmul weights and a bf16 scale per output channel
 (:mod:`polestar_jax.models.quant`; LLaDA-8B's 14.9 GiB of weights become 7.5 GiB); every row says its
-``weights``. ``--fit-batch``: a batched program left out for want of HBM gets ``largest_fitting_batch``, the
+``weights``. ``--weights auto`` (the default) picks per target what its user would run
+(:func:`auto_storage`): bf16 where one chip's shards of the bf16 parameters take at most half its HBM, else
+int8 weights and the int8 K/V cache (LLaDA-8B on one v5e chip). ``--fit-batch``: a batched program left out for want of HBM gets ``largest_fitting_batch``, the
 largest batch below its own that compiles and fits (predicted from XLA's bytes, compiled, and the batch above
 it shown not to fit; :func:`fit_batch`). ``--kv-cache int8`` stores the K/V cache as int8 with a bf16 scale
 per cached row and KV head (:mod:`polestar_jax.models.kv_quant`; ``DecodeConfig.kv_cache``); the
@@ -316,7 +318,8 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
         log: Callable[[str], None] = _log, done: Callable[[list], None] = lambda rows: None,
         rows: Optional[list[dict]] = None, weights: str = "bfloat16", fit: bool = False,
         kv_cache: str = "float") -> list[dict]:
-    """Compiles ``programs`` for each of ``targets`` with ``weights`` and ``kv_cache`` (the (program, target,
+    """Compiles ``programs`` for each of ``targets`` with ``weights`` and ``kv_cache`` (``weights="auto"``:
+    per target, :func:`auto_storage`; the (program, target,
     weights, K/V cache) rows ``rows`` already holds are kept, not compiled again); a program that fails
     otherwise is a row with its ``error`` (one line). ``fit``: a batched program left out for want of HBM gets its
     largest fitting batch (:func:`fit_batch`, key ``largest_fitting_batch``). ``done(rows)`` is called after each
@@ -332,11 +335,13 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
     have = {key(r) for r in rows if "error" not in r}
     rows = [r for r in rows if key(r) in have and "error" not in r]
     order = lambda r: (list(TARGETS).index(r["target"]), PROGRAMS.index(r["program"]), r["weights"], r["kv_cache"])
+    asked = (weights, kv_cache)
     for target in targets:
+        mesh = topology_mesh(target)
+        weights, kv_cache = auto_storage(cfg, mesh, TARGETS[target], asked[1]) if asked[0] == "auto" else asked
         todo = [name for name in programs if (name, target, weights, kv_cache_of(name, kv_cache)) not in have]
         if not todo:
             continue
-        mesh = topology_mesh(target)
         engine = make_engine(cfg, mesh, weights)
         for name in todo:
             log(f"[tpu_proxy] {name} on {target} ({mesh_text(mesh)}, {cfg.n_layers} layers, {weights} weights, "
@@ -361,6 +366,18 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
             engine.clear()  # (one compiled program held at a time)
             done(rows)
     return rows
+
+
+def auto_storage(cfg, mesh, target: Target, kv_cache: str = "float") -> tuple[str, str]:
+    """``--weights auto``: the (weights, K/V cache) a user of ``target`` would run: bf16 weights and
+    ``kv_cache`` where one chip's shards of the bf16 parameters take at most half its HBM, else int8 weights
+    and the int8 K/V cache (LLaDA-8B on one v5e chip: 14.9 of 16 GiB in bf16, 7.5 in int8)."""
+    import jax
+    import numpy as np
+
+    params = make_engine(cfg, mesh, "bfloat16").params
+    chip = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(params))
+    return ("bfloat16", kv_cache) if 2 * chip <= target.hbm_bytes else ("int8", "int8")
 
 
 def table(rows: list[dict]) -> str:
@@ -411,9 +428,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="comma list (default: all) from: " + ", ".join(PROGRAMS))
     ap.add_argument("--resume", action="store_true", help="keep the rows of --json FILE and compile only the "
                     "(program, target) pairs it lacks")
-    ap.add_argument("--weights", default="bfloat16", choices=["bfloat16", "int8"],
+    ap.add_argument("--weights", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="the parameters: bfloat16, or int8 matmul weights with a bf16 scale per output channel "
-                    "(polestar_jax.models.quant); each row says which")
+                    "(polestar_jax.models.quant); auto (default): bfloat16 where one chip's shards of them take at "
+                    "most half its HBM, else int8 with the int8 K/V cache (one v5e chip); each row says which")
     ap.add_argument("--kv-cache", default="float", choices=["float", "int8"],
                     help="the K/V cache's storage (the dual cache's and Polestar's rows): float (bf16) or int8 "
                     "with a bf16 scale per cached row and KV head (polestar_jax.models.kv_quant); each row says which")

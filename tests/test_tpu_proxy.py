@@ -98,6 +98,20 @@ def test_smoke_compiles_a_sharded_polestar_block_with_its_mosaic_kernels(tmp_pat
 
 
 @needs_libtpu
+def test_auto_storage_is_int8_where_one_chip_cannot_hold_the_bf16_weights():
+    """``--weights auto``: LLaDA-8B's bf16 weights (14.9 GiB) on one v5e chip (16 GiB) -> int8 weights and
+    K/V cache; on a v5e:2x2 slice (a quarter per chip) and one v6e chip (32 GiB) bf16, the K/V cache asked."""
+    tpu_proxy.name_platform()
+    cfg = tpu_proxy.model_config(None, smoke=False)
+    auto = lambda t, kv="float": tpu_proxy.auto_storage(cfg, tpu_proxy.topology_mesh(t), tpu_proxy.TARGETS[t], kv)
+    assert auto("v5e:1x1") == ("int8", "int8")
+    assert auto("v5e:2x2") == ("bfloat16", "float") and auto("v6e:1x1", "int8") == ("bfloat16", "int8")
+    small = tpu_proxy.model_config(None, smoke=True)
+    assert tpu_proxy.auto_storage(small, tpu_proxy.topology_mesh("v5e:1x1"), tpu_proxy.TARGETS["v5e:1x1"]) == \
+        ("bfloat16", "float")
+
+
+@needs_libtpu
 def test_int8_weights_shard_as_their_float_weights():
     """``--weights int8``: each int8 weight and its scale split over ``model`` as the float weight does (a
     scale's size-1 input axis replicated), so a chip holds half the weight bytes of bf16."""
