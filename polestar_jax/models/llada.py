@@ -84,6 +84,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
     ``key_valid`` [b, L] (bool) hides padded keys. Softmax in float32. Returns [b, H, T, hd] in q.dtype, and
     with ``return_probs`` also the attention probabilities [b, H, T, L] (float32). ``k`` / ``v`` may be an
     int8 cache's layer (:mod:`polestar_jax.models.kv_quant`): the exact path reads it, scales applied per key.
+    A GPU's bf16 full pass takes cuDNN's fused attention; a TPU's pass without probabilities a KV head at a
+    time where one head's float32 scores reach :data:`_HEAD_AT_A_TIME_BYTES` (:func:`attention_by_heads`).
     """
     if not return_probs and q.shape[2] * k.shape[2] * 4 >= _HEAD_AT_A_TIME_BYTES:
         # (a full pass's float32 scores of every head at once: 1 GiB at LLaDA-8B's batch 32 on a TPU, which
@@ -692,7 +694,7 @@ class SlotWrite:
         self.slot, self.start, self.mask = slot, start, mask
 
     def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if _tiled_write(self.slot.buffers, k.shape[2]):  # (an int8 cache's write on a TPU: see _put_rows_tiled)
+        if _tiled_write(self.slot.buffers, k.shape[2], self.start):  # (an int8 cache's write on a TPU: see _put_rows_tiled)
             w = None if self.mask is None else self.mask[:, None, :, None]
             new = kv_quant.stored_like(self.slot.buffers, (k, v))
             buffers = lax.platform_dependent(self.slot.buffers, new, self.slot.i, jnp.asarray(self.start, jnp.int32),
@@ -708,12 +710,13 @@ class SlotWrite:
         return self.slot.layer()
 
 
-def _tiled_write(buffers: Any, t: int) -> bool:
-    """Whether a block's K/V write of ``t`` rows into the stacked ``buffers`` takes :func:`_masked_put_tiled` on
-    a TPU: an int8 cache of a fixed batch (not the rows ``vmap`` of a running batch, whose writes go entry by
-    entry) whose sequence axis is whole tiles."""
+def _tiled_write(buffers: Any, t: int, start: Any) -> bool:
+    """Whether a block's K/V write of ``t`` rows at ``start`` into the stacked ``buffers`` takes
+    :func:`_masked_put_tiled` on a TPU: an int8 cache of a fixed batch (not the rows ``vmap`` of a running
+    batch, whose writes go entry by entry) whose sequence axis is whole tiles, one start for every row."""
     q = buffers[0].q if kv_quant.is_int8(buffers[0]) else None
-    return q is not None and _rows_axis() is None and q.shape[3] % _INT8_TILE == 0 and t <= q.shape[3]
+    return (q is not None and _rows_axis() is None and jnp.ndim(start) == 0 and q.shape[3] % _INT8_TILE == 0
+            and t <= q.shape[3])
 
 
 def _masked_put(buffers: Any, new: Any, i: jax.Array, start: jax.Array, keep: jax.Array) -> Any:
