@@ -12,8 +12,8 @@ by the engine's own rules (:mod:`polestar_jax.sharding`)::
     python -m bench.tpu_proxy --targets v5e:2x2 --programs block_polestar_b1
     python -m bench.tpu_proxy --smoke --json out.json                   # a tiny model, one target, seconds
 
-Programs (LLaDA-8B shapes, ``tests/data/llada8b_config.json``, all 32 layers, bf16 weights and caches,
-prompt 256 + gen 256, block 32): ``block_<decoder>_<batch>`` for LLaDA's sampler (``llada``, no cache),
+Programs (LLaDA-8B shapes, ``tests/data/llada8b_config.json``, all 32 layers, weights and caches as
+``--weights`` says, prompt 256 + gen 256, block 32): ``block_<decoder>_<batch>`` for LLaDA's sampler (``llada``, no cache),
 Fast-dLLM's dual cache (``dual``, threshold 0.9) and Polestar (``polestar``, the family's knobs, kernels
 ``auto``): a fixed batch of 1 and of 32 (``b1``, ``b32``) and a server's running batch of 32 slots
 (``running32``: rows at their own blocks, the sampling variant, the step chunk the engine picks).
