@@ -102,9 +102,7 @@ def compiled_programs_released_before_the_mapping_limit():
         from polestar_jax.engine.engine import Engine
 
         release_all()
-        for obj in gc.get_objects():
-            if isinstance(obj, Engine):
-                obj.clear()
+        Engine.clear_all()
         jax.clear_caches()
         gc.collect()
 

@@ -248,3 +248,26 @@ def test_prefix_cache_steps_write_the_cache_in_place(tiny_a, decoder):
     text = fn.as_text()
     assert re.search(shape, text)  # the cache is in the program
     assert not [ln for ln in text.splitlines() if " copy(" in ln and re.search(shape, ln)]
+
+
+def test_clear_all_drops_every_live_engines_programs(tiny_a):
+    """``Engine.clear_all()``: every referenced engine's compiled programs dropped at once (a process near the
+    CPU's mapping limit, docs/usage.md); an engine no longer referenced is not kept alive by it."""
+    import gc
+    import weakref
+
+    from polestar_jax.engine import engine as engine_mod
+    from polestar_jax.engine.engine import Engine
+
+    cfg, params = tiny_a
+    dcfg = DecodeConfig(decoder="llada", cache="none", gen_length=8, block_length=8, threshold=None)
+    a, b = Engine(params, cfg), Engine(params, cfg)
+    for e in (a, b):
+        e.run([[5, 6, 7]], dcfg, prompt_slot=16)
+        assert e.executable_count > 0
+    assert Engine.clear_all() >= 2
+    assert a.executable_count == b.executable_count == 0
+    gone = weakref.ref(b)
+    del b, e
+    gc.collect()
+    assert gone() is None and a in engine_mod._LIVE

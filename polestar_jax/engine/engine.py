@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
@@ -150,6 +151,10 @@ def _insert(state: DecodeState, fields: PromptFields, slot, layout: StateLayout)
     return _write_row(state, build_state(fields, layout), slot)
 
 
+#: every Engine of this process still referenced (:meth:`Engine.clear_all`)
+_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
 class Engine:
     """A loaded model, ready to decode: see the module docstring.
 
@@ -186,6 +191,7 @@ class Engine:
         self.compiles = 0  # programs compiled by this engine so far (loads from the caches and the store included)
         #: the latest compiles (:class:`CompileRecord`, oldest first; bounded)
         self.compile_records: collections.deque = collections.deque(maxlen=256)
+        _LIVE.add(self)
 
     # ----------------------------------------------------------------------------------- executables
     def __repr__(self) -> str:
@@ -201,6 +207,15 @@ class Engine:
         """Drops every compiled program (and sharded state builder) this engine holds."""
         self._programs.clear()
         self._builders.clear()
+
+    @staticmethod
+    def clear_all() -> int:
+        """:meth:`clear` on every engine of this process that is still referenced (a process holding many
+        programs: docs/usage.md, the CPU's mapping limit); returns how many engines held programs."""
+        held = [e for e in list(_LIVE) if e._programs or e._builders]
+        for e in held:
+            e.clear()
+        return len(held)
 
     def _program(self, key, build: Callable[[], Any], what: str):
         """The program cached under ``key`` (on first use: loaded from the executable store without tracing
