@@ -492,16 +492,20 @@ def test_attention_a_kv_head_at_a_time_equals_every_head_at_once(int8):
 
 @pytest.mark.parametrize("start", [0, 5, 31, 32, 40, 70, 90])
 @pytest.mark.parametrize("masked", [False, True])
-def test_int8_cache_write_through_whole_tiles_equals_the_slice_write(start, masked):
+@pytest.mark.parametrize("t", [20, 40, 96])
+def test_int8_cache_write_through_whole_tiles_equals_the_slice_write(start, masked, t):
     """``llada._masked_put_tiled`` (an int8 cache's block write on a TPU: the rows merged into a window of
     whole 32-position tiles) writes what the slice write does, at aligned and unaligned starts, near the end
-    (a start past L - T clamps as dynamic_update_slice does) and with rows kept where ``keep`` is False."""
-    n, b, kv, length, t, hd = 2, 3, 2, 96, 20, 8
-    ks = jax.random.split(jax.random.PRNGKey(start), 4)
+    (a start past L - T clamps as dynamic_update_slice does), for T below, above and equal to the tile count's
+    positions (L), and with rows kept where ``keep`` is False (per batch row or per position)."""
+    n, b, kv, length, hd = 2, 3, 2, 96, 8
+    ks = jax.random.split(jax.random.PRNGKey(start), 5)
     cache = (_kv(ks[0], (n, b, kv, length, hd), True), _kv(ks[1], (n, b, kv, length, hd), True))
     new = kv_quant.stored_like(cache, (jax.random.normal(ks[2], (b, kv, t, hd)),
                                        jax.random.normal(ks[3], (b, kv, t, hd))))
-    keep = jnp.array([True, False, True])[:, None, None, None] & jnp.ones((1, 1, t, 1), bool) if masked else None
+    # (a step's rows: one flag per batch row, [b, 1, 1, 1]; or per position, [b, 1, T, 1])
+    keep = None if not masked else jnp.array([True, False, True])[:, None, None, None] if t != 40 else \
+        jax.random.bernoulli(ks[4], 0.5, (b, 1, t, 1))
     i, at = jnp.int32(1), jnp.int32(start)
     want = jax.jit(llada._masked_put)(cache, new, i, at, keep)
     got = jax.jit(llada._masked_put_tiled)(cache, new, i, at, keep)

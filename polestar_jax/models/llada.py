@@ -85,9 +85,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
     with ``return_probs`` also the attention probabilities [b, H, T, L] (float32). ``k`` / ``v`` may be an
     int8 cache's layer (:mod:`polestar_jax.models.kv_quant`): the exact path reads it, scales applied per key.
     A GPU's bf16 full pass takes cuDNN's fused attention; a TPU's pass without probabilities a KV head at a
-    time where one head's float32 scores reach :data:`_HEAD_AT_A_TIME_BYTES` (:func:`attention_by_heads`).
+    time where one head's float32 scores reach :data:`_HEAD_AT_A_TIME_BYTES` and each chip holds every head
+    (:func:`attention_by_heads`).
     """
-    if not return_probs and q.shape[2] * k.shape[2] * 4 >= _HEAD_AT_A_TIME_BYTES:
+    if not return_probs and q.shape[2] * k.shape[2] * 4 >= _HEAD_AT_A_TIME_BYTES and _heads_on_each_device():
         # (a full pass's float32 scores of every head at once: 1 GiB at LLaDA-8B's batch 32 on a TPU, which
         # has no fused attention here; other targets as below)
         return lax.platform_dependent(q, k, v, key_valid, tpu=attention_by_heads,
@@ -97,6 +98,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: Optional[jax.
 
 #: the bytes of one head's float32 scores (T x L) from which a TPU's attention takes a KV head at a time
 _HEAD_AT_A_TIME_BYTES = 1 << 20
+
+
+def _heads_on_each_device() -> bool:
+    """Whether the program being traced holds every head on each device: no mesh, or one whose ``model`` axis
+    (the heads') is 1. A loop over heads split over ``model`` gathers each layer's K/V onto every device
+    (v5e:2x2, ``bench/tpu_proxy.py``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or dict(mesh.shape).get("model", 1) == 1
 
 
 def attention_by_heads(q: jax.Array, k: Any, v: Any, key_valid: Optional[jax.Array]) -> jax.Array:
