@@ -390,6 +390,7 @@ class CacheSlot(NamedTuple):
 
 
 def _row_major_int8(u: jax.Array) -> jax.Array:
+    """An int8 layer ``u`` [b, KV, L, hd] held row-major on a TPU (:func:`row_major_on_tpu`); others as they are."""
     return row_major_on_tpu(u) if u.dtype == jnp.int8 else u
 
 
@@ -703,7 +704,8 @@ class SlotWrite:
         self.slot, self.start, self.mask = slot, start, mask
 
     def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if _tiled_write(self.slot.buffers, k.shape[2], self.start):  # (an int8 cache's write on a TPU: see _put_rows_tiled)
+        # (an int8 cache's write on a TPU: see _put_rows_tiled)
+        if _tiled_write(self.slot.buffers, k.shape[2], self.start):
             w = None if self.mask is None else self.mask[:, None, :, None]
             new = kv_quant.stored_like(self.slot.buffers, (k, v))
             buffers = lax.platform_dependent(self.slot.buffers, new, self.slot.i, jnp.asarray(self.start, jnp.int32),

@@ -118,8 +118,9 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
 
 
 def row_major_on_tpu(w: jax.Array) -> jax.Array:
-    """``w`` [..., in, out] as it is, held in its stored (row-major) layout when the program is lowered for a
-    TPU (a layout constraint; other targets: ``w`` untouched). XLA:TPU otherwise chooses a transposed layout
+    """``w`` (any array of 2 or more dims: a weight [..., in, out], an int8 K/V layer [b, KV, L, hd]) unchanged in
+    value, shape and dtype, held in its row-major layout when the program is lowered for a TPU (a layout
+    constraint; other targets, and arrays of fewer dims: ``w`` itself). XLA:TPU otherwise chooses a transposed layout
     for some products (those whose results it lays out sequence-minor, e.g. a running batch's per-row block
     start) and, the weight being a layer's slice of the stacked weights, hoists that transpose out of the
     layer loops as a copy of every layer's weight: LLaDA-8B's running batch on one v5e chip copied the stacked
