@@ -38,7 +38,9 @@ Columns (``--json FILE``: a list of rows with these keys and a few more):
 * ``weight_copies``: kernels per step that write a weight-sized array without multiplying (a weight slice
   copied before its GEMM reads it, weights pulled into a branch);
 * ``host_syncs_per_step``: host-run control flow per step: each iteration of a ``while`` without a known
-  trip count and each ``conditional`` (XLA:GPU runs both from the host).
+  trip count and each ``conditional`` (XLA:GPU runs both from the host), and each GEMM on a slice read in
+  place (a dynamic-slice fusion) whose offsets are neither constants nor functions of its loop's induction
+  variable (its thunk copies them to the host and waits).
 
 Attention (``--attention``): ``exact`` (the default) traces the exact path everywhere, as a GPU without cuDNN
 runs it; ``cudnn``: the bf16 passes that need no attention probabilities trace cuDNN's fused attention, as on

@@ -14,7 +14,10 @@ The model is deliberately simple, so that its byte counts can be checked by hand
   ``Model.cheap_loops``); a ``call`` (a command buffer) counts its computation.
 
 Control flow that XLA:GPU runs from the host costs a host synchronisation: every iteration of a ``while``
-without a known trip count, and every ``conditional``. Kernels whose result has the shape of a weight (a
+without a known trip count, and every ``conditional``. So does every execution of a dynamic-slice fusion (a
+GEMM reading a slice in place) whose offsets XLA cannot compute on the host: its thunk copies them from the
+device and waits, unless each is a constant or a function of the enclosing loop's induction variable
+(``known_induction_variable``; :meth:`Model.offsets_on_host`). Kernels whose result has the shape of a weight (a
 weight-sized copy: no matmul inside, at least ``min_copy_bytes``) are counted as ``weight_copies``.
 
 Only what the model needs is parsed: computations, instructions (name, shape, opcode, operands, called
@@ -38,6 +41,13 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation|"
                      r"branch_computations|called_computations)=(\{[^}]*\}|%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_INDVAR = re.compile(r'"known_induction_variable":\{"tuple_index":"(\d+)"')
+#: the custom fusion that runs a kernel (a cuBLAS GEMM) on slices of its operands in place
+_DS_FUSION = re.compile(r'"custom_fusion_config":\{[^}]*"name":"(dynamic_slice_fusion|address_computation)"')
+#: ops whose result depends on nothing but their operands (an offset computed from host-known values only)
+_PURE = frozenset({"fusion", "add", "subtract", "multiply", "divide", "remainder", "convert", "bitcast", "copy",
+                   "clamp", "select", "compare", "maximum", "minimum", "negate", "abs", "reshape", "broadcast",
+                   "and", "or", "not", "xor", "shift-left", "shift-right-logical", "shift-right-arithmetic"})
 #: instructions that launch nothing
 NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
                          "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "iota-free"})
@@ -125,6 +135,10 @@ class Instr:
     trip_count: Optional[int] = None  # while: known_trip_count
     root: bool = False
     index: Optional[int] = None  # get-tuple-element, parameter
+    #: per operand, the tuple element it names (``%p#2``: 2; None: the whole value)
+    elements: tuple[Optional[int], ...] = ()
+    induction: Optional[int] = None  # while: the tuple index of its known induction variable
+    slice_fusion: bool = False  # fusion: a dynamic-slice fusion (``_DS_FUSION``)
 
 
 @dataclasses.dataclass
@@ -155,7 +169,9 @@ def parse_instr(line: str) -> Optional[Instr]:
     if not op:
         return None
     close = _balanced(rest, op.end() - 1)
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end():close - 1]))
+    refs = re.findall(r"%([\w.\-]+)(?:#(\d+))?", rest[op.end():close - 1])
+    operands = tuple(name for name, _ in refs)
+    elements = tuple(int(e) if e else None for _, e in refs)
     attrs = rest[close:]
     called, body, cond = [], None, None
     for key, val in _CALLED.findall(attrs):
@@ -164,12 +180,15 @@ def parse_instr(line: str) -> Optional[Instr]:
         body = names[0] if key == "body" else body
         cond = names[0] if key == "condition" else cond
     trip = _TRIP.search(attrs)
+    indvar = _INDVAR.search(attrs)
     index = re.search(r"\bindex=(\d+)", attrs) if op.group(1) == "get-tuple-element" else None
     if op.group(1) == "parameter":
         index = re.match(r"\s*(\d+)", rest[op.end():])
     return Instr(name=name, shape=shape, opcode=op.group(1), operands=operands, called=tuple(called), body=body,
                  condition=cond, trip_count=int(trip.group(1)) if trip else None, root=bool(root),
-                 index=int(index.group(1)) if index else None)
+                 index=int(index.group(1)) if index else None, elements=elements,
+                 induction=int(indvar.group(1)) if indvar else None,
+                 slice_fusion=bool(_DS_FUSION.search(attrs)))
 
 
 def parse_module(text: str) -> Module:
@@ -382,6 +401,73 @@ class Model:
         self.min_copy_bytes = min_copy_bytes
         #: loops (by name) inside which every conditional counts its cheapest branch instead
         self.cheap_loops: set[str] = set()
+        #: computation -> the instructions that call it (a loop body: its while; an async computation: its start)
+        self._callers: dict[str, list[tuple[str, Instr]]] = collections.defaultdict(list)
+        for comp, instrs in module.computations.items():
+            for ins in instrs:
+                for c in dict.fromkeys(ins.called):
+                    self._callers[c].append((comp, ins))
+        self._host_known: dict[tuple[str, str, Optional[int]], bool] = {}
+
+    def _induction(self, body: str) -> Optional[int]:
+        """The tuple index of the induction variable of the loop whose body is ``body`` (None: not known)."""
+        loops = [ins for _, ins in self._callers.get(body, ()) if ins.opcode == "while" and ins.body == body]
+        return loops[0].induction if len(loops) == 1 else None
+
+    def _known_on_host(self, comp: str, name: str, element: Optional[int] = None) -> bool:
+        """Whether the value ``name`` (its tuple element ``element``) of ``comp`` is a function of constants
+        and the enclosing loop's induction variable only (XLA:GPU then evaluates it on the host)."""
+        key = (comp, name, element)
+        if key not in self._host_known:
+            self._host_known[key] = False  # (a cycle proves nothing)
+            self._host_known[key] = self._derive_on_host(comp, name, element)
+        return self._host_known[key]
+
+    def _derive_on_host(self, comp: str, name: str, element: Optional[int]) -> bool:
+        ins = self.module.instr(comp).get(name)
+        if ins is None:
+            return False
+        if ins.opcode == "constant":
+            return True
+        if ins.opcode == "parameter":
+            if element is not None or (ins.shape.startswith("(")):  # a loop body's carry
+                return element is not None and element == self._induction(comp)
+            callers = [(c, i) for c, i in self._callers.get(comp, ()) if i.opcode != "while"]
+            if len(callers) != 1 or ins.index is None or ins.index >= len(callers[0][1].operands):
+                return False
+            c, caller = callers[0]  # a fused or async computation: the caller's operand
+            return self._known_on_host(c, caller.operands[ins.index], caller.elements[ins.index])
+        if ins.opcode == "get-tuple-element":
+            src = self.module.instr(comp).get(ins.operands[0])
+            return src is not None and src.opcode == "parameter" and self._derive_on_host(comp, src.name, ins.index)
+        if ins.opcode in _PURE:
+            return all(self._known_on_host(comp, o, e) for o, e in zip(ins.operands, ins.elements))
+        return False
+
+    def offsets_on_host(self, comp: str, ins: Instr) -> bool:
+        """For a dynamic-slice fusion ``ins`` of ``comp``: whether XLA:GPU knows its slice offsets on the host
+        (constants, or functions of the enclosing loop's induction variable); if not, its thunk copies them
+        from the device and waits for them at every execution (a host synchronisation)."""
+        fused = ins.called[0]
+        idx = self.module.instr(fused)
+        offsets = set()
+        for f in self.module.computations[fused]:
+            if f.opcode in ("dynamic-slice", "dynamic-update-slice"):
+                for o in f.operands[1 if f.opcode == "dynamic-slice" else 2:]:
+                    p = idx.get(o)
+                    if p is not None and p.opcode == "parameter" and p.index is not None:
+                        offsets.add(p.index)
+        return all(self._known_on_host(comp, ins.operands[i], ins.elements[i]) for i in offsets)
+
+    def _offset_syncs(self, comp: str, ins: Instr) -> int:
+        """Host synchronisations of one execution of ``ins``: a dynamic-slice fusion whose offsets are not
+        known on the host (:meth:`offsets_on_host`), also inside an async computation it starts."""
+        if ins.opcode == "fusion" and ins.slice_fusion:
+            return int(not self.offsets_on_host(comp, ins))
+        if ins.opcode.endswith("-start") and ins.called and ins.called[0] in self.module.computations:
+            inner = ins.called[0]
+            return sum(self._offset_syncs(inner, i) for i in self.module.computations[inner])
+        return 0
 
     def is_weight_copy(self, ins: Instr, nbytes: int) -> bool:
         if not self.weight_shapes or ins.opcode in ("custom-call",):
@@ -429,6 +515,7 @@ class Model:
                 acc.kernels += 1
                 acc.by_kernel[f"{op}:{ins.name}"] += b
                 acc.weight_copies += self.is_weight_copy(ins, b)
+                acc.host_syncs += self._offset_syncs(comp, ins)
         return acc
 
     def loops(self) -> list[Loop]:

@@ -284,6 +284,82 @@ ENTRY %main (x: f32[256], p: pred[]) -> f32[256] {""").replace(
     assert m.per_iteration("steps").bytes == K and m.per_iteration("steps").host_syncs == 2
 
 
+# ------------------------------------------------------------------------------- slice offsets on the host
+
+DSF = '"fusion_backend_config":{"custom_fusion_config":{"kernel_index":0,"name":"dynamic_slice_fusion"}}'
+SLICE_OFFSETS = """HloModule m
+
+%gemm_on_slice (w: bf16[4,64,64], i: s32[], h: bf16[8,64]) -> bf16[8,64] {
+  %w = bf16[4,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %h = bf16[8,64]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %ds = bf16[1,64,64]{2,1,0} dynamic-slice(%w, %i, %z, %z), dynamic_slice_sizes={1,64,64}
+  %bc = bf16[64,64]{1,0} bitcast(%ds)
+  ROOT %g = bf16[8,64]{1,0} custom-call(%h, %bc), custom_call_target="__cublas$gemm"
+}
+
+%wrapped (w: bf16[4,64,64], i: s32[], h: bf16[8,64]) -> bf16[8,64] {
+  %w = bf16[4,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %h = bf16[8,64]{1,0} parameter(2)
+  ROOT %f = bf16[8,64]{1,0} fusion(%w, %i, %h), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+}
+
+%fused_next (i: s32[]) -> s32[] {
+  %i = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %n = s32[] add(%i, %one)
+}
+
+%cond (c: (s32[], s32[], bf16[4,64,64], bf16[8,64])) -> pred[] {
+  %c = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) parameter(0)
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%c#0, %four), direction=LT
+}
+
+%body (c: (s32[], s32[], bf16[4,64,64], bf16[8,64])) -> (s32[], s32[], bf16[4,64,64], bf16[8,64]) {
+  %c = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %next = s32[] fusion(%i), kind=kLoop, calls=%fused_next
+  %by_step = bf16[8,64]{1,0} fusion(%c#2, %next, %c#3), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+  %by_value = bf16[8,64]{1,0} fusion(%c#2, %c#1, %by_step), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+  %start = ((bf16[4,64,64]{2,1,0}, s32[], bf16[8,64]{1,0}), bf16[8,64]{1,0}, u32[]) async-start(%c#2, %c#1, %by_value), calls=%wrapped
+  %done = bf16[8,64]{1,0} async-done(%start)
+  ROOT %r = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) tuple(%next, %c#1, %c#2, %done)
+}
+
+ENTRY %main (w: bf16[4,64,64], j: s32[], h: bf16[8,64]) -> bf16[8,64] {
+  %w = bf16[4,64,64]{2,1,0} parameter(0)
+  %j = s32[] parameter(1)
+  %h = bf16[8,64]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %t = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) tuple(%z, %j, %w, %h)
+  %loop = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"},"known_init_step":{"init":"0","step":"1"},"known_induction_variable":{"tuple_index":"0"}}
+  %once = bf16[8,64]{1,0} fusion(%w, %z, %h), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+  ROOT %last = bf16[8,64]{1,0} get-tuple-element(%loop), index=3
+}
+""".replace("{DSF}", "{" + DSF + "}")
+
+
+def test_slice_offsets_read_from_the_device_cost_a_host_sync():
+    """A dynamic-slice fusion (a GEMM reading a weight slice in place) whose offset is a function of the loop's
+    induction variable (or a constant) runs from host-known offsets; one whose offset is a value the device
+    carries (``%c#1``) makes XLA:GPU copy it to the host and wait, at each of the loop's 4 iterations, also
+    when the fusion runs inside an async computation."""
+    m = model_of(SLICE_OFFSETS)
+    body = {i.name: i for i in m.module.computations["body"]}
+    assert body["by_value"].elements == (2, 1, None) and body["by_value"].slice_fusion
+    assert m.module.instr("main")["loop"].induction == 0
+    assert m.offsets_on_host("body", body["by_step"])  # (the induction variable plus one)
+    assert not m.offsets_on_host("body", body["by_value"])
+    assert m.offsets_on_host("main", m.module.instr("main")["once"])  # a constant
+    t = m.run()
+    assert t.host_syncs == 4 * 2  # by_value and the async one, per iteration; the loop's trip is known
+    unknown = model_of(SLICE_OFFSETS.replace(',"known_induction_variable":{"tuple_index":"0"}', ""))
+    assert unknown.run().host_syncs == 4 * 3  # without a known induction variable no offset in the body is
+
+
 # ------------------------------------------------------------------------------------------- weight copies
 
 COPIES = """HloModule m
@@ -528,3 +604,45 @@ def test_commit_scoring_reads_the_logits_once_on_a_gpu():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     # (sampling: 0.59 GB, the noise's bits made in the pass; two passes: 1.04 GB greedy, 1.11 GB sampling)
     assert logits <= got["greedy"] < 1.1 * logits and logits <= got["sampled"] < 1.2 * logits, got
+
+
+# ------------------------------------------------------------------------------- device-side control flow
+
+THUNKS = """000: kCommandBuffer [source | sink]
+    001: kCopy  [source | next=003 (1)] kCopy
+    003: kWhile [prev=001 (1) | sink]
+condition:
+        004: kCustomKernel [source | sink] input_reduce_fusion
+      body:
+        005: kConditional [source | sink]
+006: kWhile [prev=000 (1) | sink]
+condition:
+    007: kCustomKernel [source | sink] loop_compare_fusion
+  body:
+    008: kDynamicSliceFusion [source | sink] params=2, results=2
+        009: kCublasLtMatmul [source | sink] kCublasLtMatmul
+    000: kCommandBuffer [source | sink]
+        010: kWhile [source | sink]
+"""
+
+
+def test_control_flow_inside_a_command_buffer_runs_on_the_device():
+    from bench import command_buffers
+
+    assert command_buffers.control_flow(THUNKS) == {"on_host": 1, "on_device": 3}
+
+
+@pytest.mark.skipif(gpu_proxy.plugin_problem() is not None,
+                    reason="the CUDA plugin wheels are not installed (pip install -e '.[gpu-proxy]')")
+def test_a_loop_over_stacked_weights_stays_on_the_host(tmp_path):
+    """With ``while`` and ``conditional`` allowed in command buffers, XLA:GPU (jax 0.12) captures a step loop
+    around a layer loop over separate weight arrays whole (it runs on the device), but not one whose layers
+    read their slice of stacked weights in place (a dynamic-slice fusion): both loops stay on the host. What
+    bench/README.md says of the engine's programs rests on this."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.command_buffers", "--programs", "toy_stacked,toy_per_layer",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["program"]: r for r in json.loads(out.read_text())}
+    assert rows["toy_stacked"] == {"program": "toy_stacked", "on_host": 2, "on_device": 0}
+    assert rows["toy_per_layer"] == {"program": "toy_per_layer", "on_host": 0, "on_device": 1}
