@@ -22,17 +22,25 @@ LAYER_BATCH = (None, "data")
 ROWS = "rows"
 
 
-def axes(spec: tuple = BATCH, select: bool = True, **kwargs):
+#: the values of a field's ``select`` (:func:`axes`)
+SELECT = (True, False, "start")
+
+
+def axes(spec: tuple = BATCH, select: bool | str = True, **kwargs):
     """A state field whose dimensions map to the mesh axes ``spec`` (``"data"`` marks the batch axis,
-    ``"model"`` a dimension that may be split over the model axis, None a replicated one). ``select=False``:
-    :func:`select_rows` takes the new value as is (fields a step only writes for active rows)."""
+    ``"model"`` a dimension that may be split over the model axis, None a replicated one). ``select``: how
+    :func:`select_rows` treats it: True, row by row; False, the new value as is (fields a step only writes
+    for active rows); ``"start"``, row by row except after a decode step (``in_step``: a field the block
+    start writes for every row, and a step only for its active rows)."""
+    if not any(select is v for v in SELECT):
+        raise ValueError(f"select must be one of {SELECT}, not {select!r}")
     return flax.struct.field(metadata={"axes": tuple(spec), "select": select}, **kwargs)
 
 
 class Axes:
     """The declared mesh axes of one array leaf (an opaque pytree leaf)."""
 
-    def __init__(self, spec: tuple, select: bool = True):
+    def __init__(self, spec: tuple, select: bool | str = True):
         self.spec, self.select = tuple(spec), select
 
     @property
@@ -61,12 +69,13 @@ def axes_of(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: Axes(BATCH[: min(1, len(getattr(leaf, "shape", ())))]), tree)
 
 
-def select_rows(active: jax.Array, new: Any, old: Any) -> Any:
+def select_rows(active: jax.Array, new: Any, old: Any, in_step: bool = False) -> Any:
     """Per batch row: ``new`` where ``active`` [b], else ``old`` (a finished row waits unchanged); fields
-    declared ``select=False`` take ``new`` as is."""
+    declared ``select=False`` take ``new`` as is, and so do those declared ``select="start"`` after a decode
+    step (``in_step``)."""
 
     def sel(n, o, ax: Axes):
-        if not ax.select:
+        if ax.select is False or (in_step and ax.select == "start"):
             return n
         shape = [1] * n.ndim
         shape[ax.batch] = active.shape[0]

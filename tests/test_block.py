@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from polestar_jax.axes import axes as axes_decl
 from polestar_jax.decode import block
 from polestar_jax.config import DecodeConfig, ModelConfig
 from polestar_jax.errors import ConfigError
@@ -45,21 +46,32 @@ def test_every_field_declares_its_batch_axis():
     chex.assert_trees_all_equal_shapes_and_dtypes(abstract, state)
 
 
-def test_select_rows_keeps_inactive_rows_and_leaves_the_store():
+@pytest.mark.parametrize("in_step", [False, True])
+def test_select_rows_keeps_inactive_rows_and_leaves_the_store(in_step):
+    """Row selection per field: the store (``select=False``) taken as is; the proxy attention
+    (``select="start"``) selected after a block start, taken as is after a step; every other field row by row."""
     old = _state()
     new = jax.tree.map(lambda a: a + jnp.ones((), a.dtype) if a.dtype != bool else ~a, old)
     active = jnp.asarray([True, False, True])
-    got = select_rows(active, new, old)
+    got = select_rows(active, new, old, in_step=in_step)
+    as_is = {"store": 0, "start": 0}
     for (path, g), n, o, ax in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(new),
                                   jax.tree.leaves(old),
                                   jax.tree.leaves(axes_of(old), is_leaf=lambda a: hasattr(a, "spec"))):
         g, n, o = map(np.asarray, (g, n, o))
         take = lambda a, r: np.take(a, r, axis=ax.batch)
-        if not ax.select:  # the store: taken as is
+        if ax.select is False or (in_step and ax.select == "start"):  # taken as is
+            as_is["store" if ax.select is False else "start"] += 1
             np.testing.assert_array_equal(g, n)
             continue
         for r, act in enumerate(np.asarray(active)):
             np.testing.assert_array_equal(take(g, r), take(n if act else o, r), err_msg=jax.tree_util.keystr(path))
+    assert as_is["store"] > 0 and as_is["start"] == (1 if in_step else 0), as_is
+
+
+def test_a_field_selects_in_one_of_three_ways():
+    with pytest.raises(ValueError, match="select must be one of"):
+        axes_decl(select="step")
 
 
 def test_commit_writer_block_and_positions_agree():

@@ -494,7 +494,7 @@ def test_attention_a_kv_head_at_a_time_equals_every_head_at_once(int8):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("t", [20, 40, 96])
 def test_int8_cache_write_through_whole_tiles_equals_the_slice_write(start, masked, t):
-    """``llada._masked_put_tiled`` (an int8 cache's block write on a TPU: the rows merged into a window of
+    """``llada._put_tree_tiled`` (an int8 cache's block write on a TPU: the rows merged into a window of
     whole 32-position tiles) writes what the slice write does, at aligned and unaligned starts, near the end
     (a start past L - T clamps as dynamic_update_slice does), for T below, above and equal to the tile count's
     positions (L), and with rows kept where ``keep`` is False (per batch row or per position)."""
@@ -507,8 +507,8 @@ def test_int8_cache_write_through_whole_tiles_equals_the_slice_write(start, mask
     keep = None if not masked else jnp.array([True, False, True])[:, None, None, None] if t != 40 else \
         jax.random.bernoulli(ks[4], 0.5, (b, 1, t, 1))
     i, at = jnp.int32(1), jnp.int32(start)
-    want = jax.jit(llada._masked_put)(cache, new, i, at, keep)
-    got = jax.jit(llada._masked_put_tiled)(cache, new, i, at, keep)
+    want = jax.jit(llada._put_tree, static_argnums=4)(cache, new, i, at, 2, keep)
+    got = jax.jit(llada._put_tree_tiled, static_argnums=4)(cache, new, i, at, 2, keep)
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert not np.array_equal(np.asarray(jax.tree.leaves(want)[0]), np.asarray(jax.tree.leaves(cache)[0]))

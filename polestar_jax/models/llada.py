@@ -372,12 +372,18 @@ class CacheSlot(NamedTuple):
         """Entries ``[start, start + t)`` along ``axis`` (of a layer's buffer) of layer ``i``'s buffers."""
         return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, t, axis=axis), self.layer())
 
-    def put_rows(self, new: Any, start: Any, axis: int) -> "CacheSlot":
-        """The slot with ``new`` written at ``[start, start + T)`` along ``axis`` of layer ``i``'s buffers, in
-        place: only the rows move (a whole-layer copy would move the layer's cache twice per layer)."""
-        return self._replace(buffers=jax.tree.map(lambda a, u: put_own(
-            _put_rows, a, u.astype(a.dtype), self.i, jnp.asarray(start, jnp.int32), axis=axis), self.buffers,
-            kv_quant.stored_like(self.buffers, new)))
+    def put_rows(self, new: Any, start: Any, axis: int, keep: Optional[jax.Array] = None) -> "CacheSlot":
+        """The slot with ``new`` written at ``[start, start + T)`` along ``axis`` of layer ``i``'s buffers where
+        ``keep`` (broadcast to each buffer's T rows, an int8 cache's scales included; None: everywhere; the
+        old entries elsewhere), in place: only the rows move (a whole-layer copy would move the layer's cache
+        twice per layer). An int8 buffer of a fixed batch is written through whole tiles on a TPU
+        (:func:`_put_rows_tiled`, where :func:`_tiled_write` says; equal values)."""
+        new = kv_quant.stored_like(self.buffers, new)
+        args = (self.buffers, new, self.i, jnp.asarray(start, jnp.int32), axis, keep)
+        if _tiled_write(self.buffers, jax.tree.leaves(new)[0].shape[axis], args[3], axis):
+            return self._replace(buffers=lax.platform_dependent(tpu=lambda: _put_tree_tiled(*args),
+                                                                default=lambda: _put_tree(*args)))
+        return self._replace(buffers=_put_tree(*args))
 
     def scatter_rows(self, new: Any, idx: jax.Array, valid: jax.Array, axis: int) -> "CacheSlot":
         """The slot with ``new``'s rows (each [b, ..., C, ...], C along ``axis``) written at positions ``idx``
@@ -397,6 +403,28 @@ def _row_major_int8(u: jax.Array) -> jax.Array:
 def _put_layer(a, u, i, axis: int = 0):
     """Layer ``i`` of ``a`` [N, b, ...] replaced by ``u`` [b, ...]."""
     return lax.dynamic_update_index_in_dim(a, u, i, 0)
+
+
+def _put_tree(buffers, new, i, start, axis: int, keep=None):
+    """Every stacked buffer with its rows of ``new`` (stored form) written as :func:`_put_rows_kept` does."""
+    return jax.tree.map(lambda a, u: _put_rows_kept(a, u, i, start, axis, keep), buffers, new)
+
+
+def _put_tree_tiled(buffers, new, i, start, axis: int, keep=None):
+    """:func:`_put_tree`, equal values, with the int8 buffers written through whole tiles
+    (:func:`_put_rows_tiled`): a fixed batch's int8 write on a TPU."""
+    return jax.tree.map(lambda a, u: _put_rows_tiled(a, u, i, start, axis, keep) if a.dtype == jnp.int8
+                        else _put_rows_kept(a, u, i, start, axis, keep), buffers, new)
+
+
+def _put_rows_kept(a, u, i, start, axis: int, keep=None):
+    """``u`` (stored form) written at ``[start, start + T)`` along ``axis`` of layer ``i`` of ``a`` (the
+    calling row's own entries of a shared buffer: :func:`put_own`) where ``keep``, the old rows elsewhere."""
+    u = u.astype(a.dtype)
+    if keep is not None:
+        layer = own_rows(lax.dynamic_index_in_dim(a, i, 0, keepdims=False))
+        u = jnp.where(keep, u, lax.dynamic_slice_in_dim(layer, start, u.shape[axis], axis))
+    return put_own(_put_rows, a, u, i, start, axis=axis)
 
 
 def _put_rows(a, u, i, start, axis: int):
@@ -704,51 +732,20 @@ class SlotWrite:
         self.slot, self.start, self.mask = slot, start, mask
 
     def __call__(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # (an int8 cache's write on a TPU: see _put_rows_tiled)
-        if _tiled_write(self.slot.buffers, k.shape[2], self.start):
-            w = None if self.mask is None else self.mask[:, None, :, None]
-            new = kv_quant.stored_like(self.slot.buffers, (k, v))
-            buffers = lax.platform_dependent(self.slot.buffers, new, self.slot.i, jnp.asarray(self.start, jnp.int32),
-                                             w, tpu=_masked_put_tiled, default=_masked_put)
-            self.slot = self.slot._replace(buffers=buffers)
-            return self.slot.layer()
-        if self.mask is not None:
-            old = self.slot.rows(self.start, k.shape[2], axis=2)
-            w = self.mask[:, None, :, None]
-            # (an int8 cache: the rows quantized first, then the kept rows' int8 values and scales as they were)
-            k, v = jax.tree.map(lambda n, o: jnp.where(w, n, o), kv_quant.stored_like(old, (k, v)), old)
-        self.slot = self.slot.put_rows((k, v), self.start, axis=2)
+        keep = None if self.mask is None else self.mask[:, None, :, None]
+        self.slot = self.slot.put_rows((k, v), self.start, axis=2, keep=keep)
         return self.slot.layer()
 
 
-def _tiled_write(buffers: Any, t: int, start: Any) -> bool:
-    """Whether a block's K/V write of ``t`` rows at ``start`` into the stacked ``buffers`` takes
-    :func:`_masked_put_tiled` on a TPU: an int8 cache of a fixed batch (not the rows ``vmap`` of a running
-    batch, whose writes go entry by entry) whose sequence axis is whole tiles, one start for every row."""
-    q = buffers[0].q if kv_quant.is_int8(buffers[0]) else None
-    return (q is not None and _rows_axis() is None and jnp.ndim(start) == 0 and q.shape[3] % _INT8_TILE == 0
-            and t <= q.shape[3])
-
-
-def _masked_put(buffers: Any, new: Any, i: jax.Array, start: jax.Array, keep: jax.Array) -> Any:
-    """The stacked ``buffers`` (each [N, b, KV, L, ...]) with layer ``i``'s positions ``[start, start + T)``
-    set to ``new`` (each [b, KV, T, ...], stored form) where ``keep`` ([b, 1, T, 1]; None: everywhere), kept
-    elsewhere."""
-    def put(a, u):
-        u = u.astype(a.dtype)
-        if keep is not None:
-            old = lax.dynamic_slice_in_dim(lax.dynamic_index_in_dim(a, i, 0, keepdims=False), start, u.shape[2], 2)
-            u = jnp.where(keep, u, old)
-        return _put_rows_slice(a, u, i, start, 2)
-
-    return jax.tree.map(put, buffers, new)
-
-
-def _masked_put_tiled(buffers: Any, new: Any, i: jax.Array, start: jax.Array, keep: jax.Array) -> Any:
-    """:func:`_masked_put`, equal values, with the int8 arrays written through whole tiles
-    (:func:`_put_rows_tiled`; their old rows are read there, in the window)."""
-    return jax.tree.map(lambda a, u: _put_rows_tiled(a, u, i, start, 2, keep) if a.dtype == jnp.int8
-                        else _masked_put(a, u, i, start, keep), buffers, new)
+def _tiled_write(buffers: Any, t: int, start: Any, axis: int) -> bool:
+    """Whether a write of ``t`` rows at ``start`` along ``axis`` (of a layer) into the stacked ``buffers``
+    goes through whole tiles on a TPU (:func:`_put_rows_tiled`): int8 buffers whose second-minor axis is
+    ``axis`` and holds whole tiles, a fixed batch (not the rows ``vmap`` of a running batch, whose writes go
+    entry by entry), one start for every row."""
+    q = [a for a in jax.tree.leaves(buffers) if a.dtype == jnp.int8]
+    return (bool(q) and _rows_axis() is None and jnp.ndim(start) == 0
+            and all(a.ndim - 2 == axis + 1 and a.shape[axis + 1] % _INT8_TILE == 0 and t <= a.shape[axis + 1]
+                    for a in q))
 
 
 def slice_write(cache: Any, start: Any, mask: Optional[jax.Array] = None):

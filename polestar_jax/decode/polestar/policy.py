@@ -227,10 +227,7 @@ def step(ctx: BlockCtx, state: DecodeState, i, active) -> tuple[DecodeState, Ste
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     stats = StepOut(active, cluster, out.drift, delta, sw(out.scores), sw(out.selected), sw(out.own),
                     sw(out.n_rows), sw(out.moved_rows), thr, early & ~thr, commit_suf)
-    # (the proxy attention is not selected: a step changes only its refreshing rows', all active, and a select
-    # would keep the old one alive beside the new, a copy of 512 MiB at LLaDA-8B's batch 32)
-    kept = select_rows(active, new, state)
-    return kept.replace(policy_state=kept.policy_state.replace(s_prev=out.s_prev)), stats
+    return select_rows(active, new, state, in_step=True), stats
 
 
 def empty_steps(ctx: BlockCtx, n_steps: int, b: Optional[int] = None) -> StepOut:

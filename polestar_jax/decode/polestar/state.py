@@ -52,7 +52,9 @@ class PolestarState:
     centroids: jax.Array = axes(LAYER_BATCH)
     counts: jax.Array = axes(LAYER_BATCH)
     n_clusters: jax.Array = axes(LAYER_BATCH)
-    s_prev: jax.Array = axes((None, "data", "model"))
+    # (a step changes only its refreshing rows', all active: not selected after a step, where a select would
+    # keep the old one alive beside the new, a copy of 512 MiB at LLaDA-8B's batch 32)
+    s_prev: jax.Array = axes((None, "data", "model"), select="start")
     p_prev: jax.Array = axes(("data", "model"))
     hist: jax.Array = axes()
     hist_fill: jax.Array = axes()
