@@ -13,7 +13,7 @@ by the engine's own rules (:mod:`polestar_jax.sharding`)::
     python -m bench.tpu_proxy --smoke --json out.json                   # a tiny model, one target, seconds
 
 Programs (LLaDA-8B shapes, ``tests/data/llada8b_config.json``, all 32 layers, weights and caches as
-``--weights`` says, prompt 256 + gen 256, block 32): ``block_<decoder>_<batch>`` for LLaDA's sampler (``llada``, no cache),
+``--weights`` says, prompt 256 + gen 256 unless ``--prompt`` / ``--gen`` say otherwise, block 32): ``block_<decoder>_<batch>`` for LLaDA's sampler (``llada``, no cache),
 Fast-dLLM's dual cache (``dual``, threshold 0.9) and Polestar (``polestar``, the family's knobs, kernels
 ``auto``): a fixed batch of 1 and of 32 (``b1``, ``b32``) and a server's running batch of 32 slots
 (``running32``: rows at their own blocks, the sampling variant, the step chunk the engine picks).
@@ -56,6 +56,7 @@ and the table says so. Nothing runs on a TPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -66,7 +67,7 @@ import platform
 import re
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from bench.gpu_proxy import BLOCK, GEN, PROMPT, _block_name, _output, abstract, meta_path
 
@@ -261,7 +262,8 @@ def compile_row(engine, name: str, target: Target, mesh, kernels: str = "auto", 
     kv_cache = kv_cache_of(name, kv_cache)
     row: dict[str, Any] = {"program": name, "target": target.name, "mesh": mesh_text(mesh),
                            "kernels": kernels if name.startswith("block_polestar") else "none",
-                           "weights": weights, "kv_cache": kv_cache, "hbm_bytes": target.hbm_bytes}
+                           "weights": weights, "kv_cache": kv_cache, "hbm_bytes": target.hbm_bytes,
+                           "prompt": PROMPT, "gen": GEN}
     t0 = time.perf_counter()
     try:
         prog, seconds = compile_block(engine, name, kernels, batch, kv_cache)
@@ -330,8 +332,9 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
     jax.config.update("jax_enable_compilation_cache", False)  # (every program compiles here)
     cfg = model_config(layers, smoke)
     # (rows before int8 weights: bf16; before the int8 K/V cache: float)
-    rows = [dict(r, weights=r.get("weights", "bfloat16"), kv_cache=r.get("kv_cache", "float")) for r in rows or []]
-    key = lambda r: (r["program"], r["target"], r["weights"], r["kv_cache"])
+    rows = [dict(r, weights=r.get("weights", "bfloat16"), kv_cache=r.get("kv_cache", "float"),
+                 prompt=r.get("prompt", 256), gen=r.get("gen", 256)) for r in rows or []]
+    key = lambda r: (r["program"], r["target"], r["weights"], r["kv_cache"], r["prompt"], r["gen"])
     have = {key(r) for r in rows if "error" not in r}
     rows = [r for r in rows if key(r) in have and "error" not in r]
     order = lambda r: (list(TARGETS).index(r["target"]), PROGRAMS.index(r["program"]), r["weights"], r["kv_cache"])
@@ -339,7 +342,8 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
     for target in targets:
         mesh = topology_mesh(target)
         weights, kv_cache = auto_storage(cfg, mesh, TARGETS[target], asked[1]) if asked[0] == "auto" else asked
-        todo = [name for name in programs if (name, target, weights, kv_cache_of(name, kv_cache)) not in have]
+        todo = [name for name in programs
+                if (name, target, weights, kv_cache_of(name, kv_cache), PROMPT, GEN) not in have]
         if not todo:
             continue
         engine = make_engine(cfg, mesh, weights)
@@ -357,7 +361,7 @@ def run(targets: list[str], programs: list[str], layers: Optional[int] = None, s
                     + (f"; left out: {row['left_out']}" if "left_out" in row else ""))
             except Exception as e:  # noqa: BLE001 - record it and go on with the other programs
                 row = {"program": name, "target": target, "mesh": mesh_text(mesh), "weights": weights,
-                       "kv_cache": kv_cache_of(name, kv_cache),
+                       "kv_cache": kv_cache_of(name, kv_cache), "prompt": PROMPT, "gen": GEN,
                        "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
                 log(f"  error: {row['error']}")
             row["layers"] = cfg.n_layers
@@ -386,7 +390,8 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---:|---:|---:|---|---:|"]
     for r in rows:
         kv = ", int8 K/V" if r.get("kv_cache", "float") != "float" else ""
-        head = f"| {r['program']} | {r['target']} | {r['mesh']} | {r.get('weights', 'bfloat16')}{kv} |"
+        geo = "" if (r.get("prompt", 256), r.get("gen", 256)) == (256, 256) else f" (prompt {r['prompt']} + gen {r['gen']})"
+        head = f"| {r['program']}{geo} | {r['target']} | {r['mesh']} | {r.get('weights', 'bfloat16')}{kv} |"
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:80]} | | | | | |")
         elif "left_out" in r:
@@ -438,6 +443,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--fit-batch", action="store_true", help="a batched program left out for want of HBM: "
                     "search the largest batch that fits (a few more compiles; key largest_fitting_batch)")
     ap.add_argument("--layers", type=int, default=None, help="LLaDA-8B layers built (default: all 32)")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help=f"prompt tokens (default {PROMPT}); each row says")
+    ap.add_argument("--gen", type=int, default=GEN, help=f"generated tokens, whole blocks of {BLOCK} (default {GEN}); "
+                    "each row says")
     ap.add_argument("--smoke", action="store_true", help="a tiny LLaDA-shaped model (2 layers, d_model 128), "
                     "v5e:1x1 and block_polestar_b1 unless --targets / --programs say otherwise: seconds")
     args = ap.parse_args(argv)
@@ -455,7 +463,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--resume needs --json FILE (the rows to keep)")
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers must be >= 1, got {args.layers}")
+    if args.prompt < 1 or args.gen < BLOCK or args.gen % BLOCK:
+        ap.error(f"--prompt must be >= 1 and --gen a positive multiple of {BLOCK}, got {args.prompt} and {args.gen}")
     return args
+
+
+@contextlib.contextmanager
+def geometry(prompt: int, gen: int) -> Iterator[None]:
+    """Within: every program is built for ``prompt`` prompt tokens and ``gen`` generated ones (``--prompt``,
+    ``--gen``); the defaults again after."""
+    global PROMPT, GEN
+    saved, (PROMPT, GEN) = (PROMPT, GEN), (prompt, gen)
+    try:
+        yield
+    finally:
+        PROMPT, GEN = saved
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -488,8 +510,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 json.dump(obj, f, indent=1)
                 f.write("\n")
 
-    rows = run(args.targets, args.programs, args.layers, args.smoke, done=write, rows=earlier,
-               weights=args.weights, fit=args.fit_batch, kv_cache=args.kv_cache)
+    with geometry(args.prompt, args.gen):
+        rows = run(args.targets, args.programs, args.layers, args.smoke, done=write, rows=earlier,
+                   weights=args.weights, fit=args.fit_batch, kv_cache=args.kv_cache)
     write(rows)
     print(table(rows))
     print(f"\n{meta['date']}, jax {meta['jax_version']}, libtpu {meta['libtpu_version']}, commit {meta['commit']}, "

@@ -258,3 +258,25 @@ def test_polestar_block_with_its_store_in_host_memory_compiles_for_tpu(offload):
     words = {"int8": 64 // 4, "bf16": 64 // 2}[offload]  # (d_model 64)
     assert re.search(r"u32\[2,2,24," + str(words) + r"\]\{[^}]*S\(5\)\}", hlo)  # [N, b, R, words] on the host
     assert {"kl_drift_token", "kl_drift_cluster", "centroid_shift"} <= set(_kernel_names(hlo))
+
+
+def test_full_pass_attention_on_a_tpu_holds_one_heads_scores(monkeypatch):
+    """A TPU's attention without probabilities (a full pass) loops over KV heads
+    (``llada.attention_by_heads``), so one head group's float32 scores [b, 1, T, L] exist at a time, not every
+    head's: XLA's temporaries for 4 rows, 4 heads and 1024 x 1024 scores shrink to under half. (At LLaDA-8B's
+    batch 32, prompt 1024 + gen 1024, 4 layers on one v5e chip: 11.56 GiB; without the loop the temporaries
+    alone take 24.38 GiB, past its 15.75: bench/README.md, the TPU proxy.)"""
+    from polestar_jax.models import llada as M
+
+    chip = _one_chip("v5e:2x2")
+    b, h, n, hd = 4, 4, 1024, 128
+    args = _abstract([((b, h, n, hd), _BF), ((b, h, n, hd), _BF), ((b, h, n, hd), _BF), ((b, n), _B)], chip)
+
+    def temp_bytes():
+        compiled = jax.jit(lambda q, k, v, valid: M.attention(q, k, v, valid)).lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    by_heads = temp_bytes()
+    monkeypatch.setattr(M, "_HEAD_AT_A_TIME_BYTES", 1 << 62)  # every head at once
+    at_once = temp_bytes()
+    assert at_once >= b * h * n * n * 4 > 2 * by_heads, (by_heads, at_once)

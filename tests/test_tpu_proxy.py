@@ -69,6 +69,22 @@ def test_mesh_keeps_model_groups_within_a_host(target, data, model):
 
 
 @needs_libtpu
+def test_rows_say_their_prompt_and_gen_lengths(tmp_path, capsys):
+    """``--prompt`` / ``--gen`` build the programs for another geometry (the state's sequence holds both), each
+    row says which, and the defaults hold again after the run; a generation that is not whole blocks is a
+    one-line error."""
+    out = tmp_path / "rows.json"
+    assert tpu_proxy.main(["--smoke", "--prompt", "64", "--gen", "64", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["prompt"], row["gen"], row["fits"]) == (64, 64, True)
+    assert "block_polestar_b1 (prompt 64 + gen 64)" in capsys.readouterr().out
+    assert (tpu_proxy.PROMPT, tpu_proxy.GEN) == (256, 256)
+    with pytest.raises(SystemExit) as e:
+        tpu_proxy.parse_args(["--gen", "40"])
+    assert e.value.code == 2 and "multiple of 32" in capsys.readouterr().err
+
+
+@needs_libtpu
 def test_smoke_compiles_a_sharded_polestar_block_with_its_mosaic_kernels(tmp_path):
     """One tiny Polestar block program on a v5e:2x2 slice (model=4): the Mosaic kernels compile per shard
     (kernels.backend: XLA cannot partition a Mosaic call), and the row's bytes are XLA's, per chip."""
