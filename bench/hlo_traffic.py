@@ -20,8 +20,9 @@ device and waits, unless each is a constant or a function of the enclosing loop'
 (``known_induction_variable``; :meth:`Model.offsets_on_host`). Kernels whose result has the shape of a weight (a
 weight-sized copy: no matmul inside, at least ``min_copy_bytes``) are counted as ``weight_copies``.
 
-Only what the model needs is parsed: computations, instructions (name, shape, opcode, operands, called
-computations, trip count); layouts, metadata and backend configs are skipped.
+Only what the model needs is parsed: computations, instructions (name, shape, opcode, operands and the tuple
+elements they name, called computations) and of the backend configs a loop's trip count and induction
+variable and whether a fusion is a dynamic-slice fusion; layouts and metadata are skipped.
 """
 from __future__ import annotations
 
@@ -401,72 +402,89 @@ class Model:
         self.min_copy_bytes = min_copy_bytes
         #: loops (by name) inside which every conditional counts its cheapest branch instead
         self.cheap_loops: set[str] = set()
-        #: computation -> the instructions that call it (a loop body: its while; an async computation: its start)
-        self._callers: dict[str, list[tuple[str, Instr]]] = collections.defaultdict(list)
-        for comp, instrs in module.computations.items():
+        #: loop body -> the induction variable's tuple index of the ``while`` loops running it (None: unknown)
+        self._induction: dict[str, Optional[int]] = {}
+        for instrs in module.computations.values():
             for ins in instrs:
-                for c in dict.fromkeys(ins.called):
-                    self._callers[c].append((comp, ins))
-        self._host_known: dict[tuple[str, str, Optional[int]], bool] = {}
+                if ins.opcode == "while" and ins.body:
+                    # (a body shared by loops that disagree has none)
+                    seen = self._induction.get(ins.body, ins.induction)
+                    self._induction[ins.body] = ins.induction if seen == ins.induction else None
+        self._host_known: dict[tuple, bool] = {}
 
-    def _induction(self, body: str) -> Optional[int]:
-        """The tuple index of the induction variable of the loop whose body is ``body`` (None: not known)."""
-        loops = [ins for _, ins in self._callers.get(body, ()) if ins.opcode == "while" and ins.body == body]
-        return loops[0].induction if len(loops) == 1 else None
+    # An offset's operands are resolved top down: ``env`` binds the parameters of the computation being read
+    # to the operands of the instruction that called it there (``(caller computation, caller name, first
+    # operand, caller's env)``; None: the entry, or a loop body, whose carry only the induction variable
+    # makes known).
 
-    def _known_on_host(self, comp: str, name: str, element: Optional[int] = None) -> bool:
+    def _bound(self, env: Optional[tuple], index: Optional[int], element: Optional[int]) -> bool:
+        if env is None or index is None:
+            return False
+        comp, name, first, outer = env
+        caller = self.module.instr(comp)[name]
+        k = first + index
+        if k >= len(caller.operands):
+            return False
+        if caller.elements[k] is not None and element is not None:  # (an element of an element: not followed)
+            return False
+        return self._known(comp, caller.operands[k], caller.elements[k] if element is None else element, outer)
+
+    def _known(self, comp: str, name: str, element: Optional[int], env: Optional[tuple]) -> bool:
         """Whether the value ``name`` (its tuple element ``element``) of ``comp`` is a function of constants
         and the enclosing loop's induction variable only (XLA:GPU then evaluates it on the host)."""
-        key = (comp, name, element)
+        key = (comp, name, element, env)
         if key not in self._host_known:
             self._host_known[key] = False  # (a cycle proves nothing)
-            self._host_known[key] = self._derive_on_host(comp, name, element)
+            self._host_known[key] = self._derive(comp, name, element, env)
         return self._host_known[key]
 
-    def _derive_on_host(self, comp: str, name: str, element: Optional[int]) -> bool:
+    def _derive(self, comp: str, name: str, element: Optional[int], env: Optional[tuple]) -> bool:
         ins = self.module.instr(comp).get(name)
         if ins is None:
             return False
         if ins.opcode == "constant":
             return True
         if ins.opcode == "parameter":
-            if element is not None or (ins.shape.startswith("(")):  # a loop body's carry
-                return element is not None and element == self._induction(comp)
-            callers = [(c, i) for c, i in self._callers.get(comp, ()) if i.opcode != "while"]
-            if len(callers) != 1 or ins.index is None or ins.index >= len(callers[0][1].operands):
-                return False
-            c, caller = callers[0]  # a fused or async computation: the caller's operand
-            return self._known_on_host(c, caller.operands[ins.index], caller.elements[ins.index])
+            if comp in self._induction:  # a loop body's carry: only its induction variable is known
+                return element is not None and element == self._induction[comp]
+            return self._bound(env, ins.index, element)
         if ins.opcode == "get-tuple-element":
             src = self.module.instr(comp).get(ins.operands[0])
-            return src is not None and src.opcode == "parameter" and self._derive_on_host(comp, src.name, ins.index)
-        if ins.opcode in _PURE:
-            return all(self._known_on_host(comp, o, e) for o, e in zip(ins.operands, ins.elements))
+            return src is not None and src.opcode == "parameter" and self._derive(comp, src.name, ins.index, env)
+        if ins.opcode == "tuple" and element is not None and element < len(ins.operands):
+            return self._known(comp, ins.operands[element], ins.elements[element], env)
+        if ins.opcode in _PURE:  # (a fusion's result depends on its operands only)
+            return all(self._known(comp, o, e, env) for o, e in zip(ins.operands, ins.elements))
         return False
 
-    def offsets_on_host(self, comp: str, ins: Instr) -> bool:
-        """For a dynamic-slice fusion ``ins`` of ``comp``: whether XLA:GPU knows its slice offsets on the host
-        (constants, or functions of the enclosing loop's induction variable); if not, its thunk copies them
-        from the device and waits for them at every execution (a host synchronisation)."""
-        fused = ins.called[0]
-        idx = self.module.instr(fused)
-        offsets = set()
+    def _offsets_known(self, fused: str, env: tuple) -> bool:
+        """Whether every slice offset inside the fused computation ``fused`` (nested fusions included) is
+        known on the host, its parameters bound by ``env``."""
         for f in self.module.computations[fused]:
             if f.opcode in ("dynamic-slice", "dynamic-update-slice"):
-                for o in f.operands[1 if f.opcode == "dynamic-slice" else 2:]:
-                    p = idx.get(o)
-                    if p is not None and p.opcode == "parameter" and p.index is not None:
-                        offsets.add(p.index)
-        return all(self._known_on_host(comp, ins.operands[i], ins.elements[i]) for i in offsets)
+                first = 1 if f.opcode == "dynamic-slice" else 2
+                if not all(self._known(fused, o, e, env) for o, e in zip(f.operands[first:], f.elements[first:])):
+                    return False
+            elif f.opcode == "fusion" and f.called and f.called[0] in self.module.computations:
+                if not self._offsets_known(f.called[0], (fused, f.name, 0, env)):
+                    return False
+        return True
 
-    def _offset_syncs(self, comp: str, ins: Instr) -> int:
+    def offsets_on_host(self, comp: str, ins: Instr, env: Optional[tuple] = None) -> bool:
+        """For a dynamic-slice fusion ``ins`` of ``comp``: whether XLA:GPU knows its slice offsets on the host
+        (constants, or functions of the enclosing loop's induction variable, also when computed inside the
+        fusion); if not, its thunk copies them from the device and waits for them at every execution (a host
+        synchronisation). ``env``: how ``comp``'s parameters are bound (:meth:`_bound`; None at the top)."""
+        return self._offsets_known(ins.called[0], (comp, ins.name, 0, env))
+
+    def _offset_syncs(self, comp: str, ins: Instr, env: Optional[tuple]) -> int:
         """Host synchronisations of one execution of ``ins``: a dynamic-slice fusion whose offsets are not
         known on the host (:meth:`offsets_on_host`), also inside an async computation it starts."""
         if ins.opcode == "fusion" and ins.slice_fusion:
-            return int(not self.offsets_on_host(comp, ins))
+            return int(not self.offsets_on_host(comp, ins, env))
         if ins.opcode.endswith("-start") and ins.called and ins.called[0] in self.module.computations:
-            inner = ins.called[0]
-            return sum(self._offset_syncs(inner, i) for i in self.module.computations[inner])
+            inner, inner_env = ins.called[0], (comp, ins.name, 0, env)
+            return sum(self._offset_syncs(inner, i, inner_env) for i in self.module.computations[inner])
         return 0
 
     def is_weight_copy(self, ins: Instr, nbytes: int) -> bool:
@@ -486,9 +504,9 @@ class Model:
 
     def run(self, comp: Optional[str] = None) -> Traffic:
         """The totals of one execution of ``comp`` (default: the entry)."""
-        return self._walk(comp or self.module.entry, False)
+        return self._walk(comp or self.module.entry, False, None)
 
-    def _walk(self, comp: str, cheap: bool) -> Traffic:
+    def _walk(self, comp: str, cheap: bool, env: Optional[tuple]) -> Traffic:
         acc = Traffic()
         for ins in self.module.computations[comp]:
             op = ins.opcode
@@ -497,25 +515,25 @@ class Model:
             if op == "while":
                 n = self.iterations(ins)
                 inner = cheap or ins.name in self.cheap_loops
-                one = self._walk(ins.body, inner)
-                one.add(self._walk(ins.condition, inner))
+                one = self._walk(ins.body, inner, None)
+                one.add(self._walk(ins.condition, inner, None))
                 if ins.trip_count is None:
                     one.host_syncs += 1
                 acc.add(one, n)
-            elif op == "conditional":
-                branches = [self._walk(b, cheap) for b in ins.called]
+            elif op == "conditional":  # (branch k takes operand 1 + k)
+                branches = [self._walk(b, cheap, (comp, ins.name, 1 + k, env)) for k, b in enumerate(ins.called)]
                 pick = min if cheap else max
                 acc.add(pick(branches, key=lambda t: t.bytes) if branches else Traffic())
                 acc.host_syncs += 1
             elif op == "call" and ins.called:
-                acc.add(self._walk(ins.called[0], cheap))
+                acc.add(self._walk(ins.called[0], cheap, (comp, ins.name, 0, env)))
             else:
                 b = kernel_bytes(self.module, comp, ins)
                 acc.bytes += b
                 acc.kernels += 1
                 acc.by_kernel[f"{op}:{ins.name}"] += b
                 acc.weight_copies += self.is_weight_copy(ins, b)
-                acc.host_syncs += self._offset_syncs(comp, ins)
+                acc.host_syncs += self._offset_syncs(comp, ins, env)
         return acc
 
     def loops(self) -> list[Loop]:

@@ -22,18 +22,14 @@ LAYER_BATCH = (None, "data")
 ROWS = "rows"
 
 
-#: the values of a field's ``select`` (:func:`axes`)
-SELECT = (True, False, "start")
-
-
 def axes(spec: tuple = BATCH, select: bool | str = True, **kwargs):
     """A state field whose dimensions map to the mesh axes ``spec`` (``"data"`` marks the batch axis,
     ``"model"`` a dimension that may be split over the model axis, None a replicated one). ``select``: how
     :func:`select_rows` treats it: True, row by row; False, the new value as is (fields a step only writes
     for active rows); ``"start"``, row by row except after a decode step (``in_step``: a field the block
     start writes for every row, and a step only for its active rows)."""
-    if not any(select is v for v in SELECT):
-        raise ValueError(f"select must be one of {SELECT}, not {select!r}")
+    if not (isinstance(select, bool) or select == "start"):
+        raise ValueError(f"select must be True, False or 'start', not {select!r}")
     return flax.struct.field(metadata={"axes": tuple(spec), "select": select}, **kwargs)
 
 

@@ -70,8 +70,10 @@ def test_select_rows_keeps_inactive_rows_and_leaves_the_store(in_step):
 
 
 def test_a_field_selects_in_one_of_three_ways():
-    with pytest.raises(ValueError, match="select must be one of"):
-        axes_decl(select="step")
+    for bad in ("step", 1, None):
+        with pytest.raises(ValueError, match="select must be True, False or 'start'"):
+            axes_decl(select=bad)
+    assert axes_decl(select="".join(["st", "art"])).metadata["select"] == "start"  # (equal, not the same object)
 
 
 def test_commit_writer_block_and_positions_agree():

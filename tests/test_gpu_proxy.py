@@ -299,17 +299,28 @@ SLICE_OFFSETS = """HloModule m
   ROOT %g = bf16[8,64]{1,0} custom-call(%h, %bc), custom_call_target="__cublas$gemm"
 }
 
+%fused_plus_one (i: s32[]) -> s32[] {
+  %i = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %n = s32[] add(%i, %one)
+}
+
+%gemm_on_next_slice (w: bf16[4,64,64], i: s32[], h: bf16[8,64]) -> bf16[8,64] {
+  %w = bf16[4,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %h = bf16[8,64]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %n = s32[] fusion(%i), kind=kLoop, calls=%fused_plus_one
+  %ds = bf16[1,64,64]{2,1,0} dynamic-slice(%w, %n, %z, %z), dynamic_slice_sizes={1,64,64}
+  %bc = bf16[64,64]{1,0} bitcast(%ds)
+  ROOT %g = bf16[8,64]{1,0} custom-call(%h, %bc), custom_call_target="__cublas$gemm"
+}
+
 %wrapped (w: bf16[4,64,64], i: s32[], h: bf16[8,64]) -> bf16[8,64] {
   %w = bf16[4,64,64]{2,1,0} parameter(0)
   %i = s32[] parameter(1)
   %h = bf16[8,64]{1,0} parameter(2)
   ROOT %f = bf16[8,64]{1,0} fusion(%w, %i, %h), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
-}
-
-%fused_next (i: s32[]) -> s32[] {
-  %i = s32[] parameter(0)
-  %one = s32[] constant(1)
-  ROOT %n = s32[] add(%i, %one)
 }
 
 %cond (c: (s32[], s32[], bf16[4,64,64], bf16[8,64])) -> pred[] {
@@ -321,22 +332,42 @@ SLICE_OFFSETS = """HloModule m
 %body (c: (s32[], s32[], bf16[4,64,64], bf16[8,64])) -> (s32[], s32[], bf16[4,64,64], bf16[8,64]) {
   %c = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) parameter(0)
   %i = s32[] get-tuple-element(%c), index=0
-  %next = s32[] fusion(%i), kind=kLoop, calls=%fused_next
-  %by_step = bf16[8,64]{1,0} fusion(%c#2, %next, %c#3), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
-  %by_value = bf16[8,64]{1,0} fusion(%c#2, %c#1, %by_step), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
-  %start = ((bf16[4,64,64]{2,1,0}, s32[], bf16[8,64]{1,0}), bf16[8,64]{1,0}, u32[]) async-start(%c#2, %c#1, %by_value), calls=%wrapped
+  %j = s32[] get-tuple-element(%c), index=1
+  %w = bf16[4,64,64]{2,1,0} get-tuple-element(%c), index=2
+  %h = bf16[8,64]{1,0} get-tuple-element(%c), index=3
+  %next = s32[] fusion(%i), kind=kLoop, calls=%fused_plus_one
+  %by_step = bf16[8,64]{1,0} fusion(%w, %next, %h), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+  %by_value = bf16[8,64]{1,0} fusion(%w, %j, %by_step), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+  %inside_step = bf16[8,64]{1,0} fusion(%w, %i, %by_value), kind=kCustom, calls=%gemm_on_next_slice, backend_config={DSF}
+  %inside_value = bf16[8,64]{1,0} fusion(%w, %j, %inside_step), kind=kCustom, calls=%gemm_on_next_slice, backend_config={DSF}
+  %start = ((bf16[4,64,64]{2,1,0}, s32[], bf16[8,64]{1,0}), bf16[8,64]{1,0}, u32[]) async-start(%c#2, %c#1, %inside_value), calls=%wrapped
   %done = bf16[8,64]{1,0} async-done(%start)
-  ROOT %r = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) tuple(%next, %c#1, %c#2, %done)
+  ROOT %r = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) tuple(%next, %j, %w, %done)
 }
 
-ENTRY %main (w: bf16[4,64,64], j: s32[], h: bf16[8,64]) -> bf16[8,64] {
+%branch (t: (s32[], bf16[4,64,64], bf16[8,64])) -> bf16[8,64] {
+  %t = (s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = bf16[4,64,64]{2,1,0} get-tuple-element(%t), index=1
+  %h = bf16[8,64]{1,0} get-tuple-element(%t), index=2
+  ROOT %f = bf16[8,64]{1,0} fusion(%w, %i, %h), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+}
+
+ENTRY %main (w: bf16[4,64,64], j: s32[], h: bf16[8,64], p: pred[]) -> bf16[8,64] {
   %w = bf16[4,64,64]{2,1,0} parameter(0)
   %j = s32[] parameter(1)
   %h = bf16[8,64]{1,0} parameter(2)
+  %p = pred[] parameter(3)
   %z = s32[] constant(0)
+  %two = s32[] constant(2)
   %t = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) tuple(%z, %j, %w, %h)
   %loop = (s32[], s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"},"known_init_step":{"init":"0","step":"1"},"known_induction_variable":{"tuple_index":"0"}}
   %once = bf16[8,64]{1,0} fusion(%w, %z, %h), kind=kCustom, calls=%gemm_on_slice, backend_config={DSF}
+  %shared = ((bf16[4,64,64]{2,1,0}, s32[], bf16[8,64]{1,0}), bf16[8,64]{1,0}, u32[]) async-start(%w, %two, %once), calls=%wrapped
+  %shared_done = bf16[8,64]{1,0} async-done(%shared), calls=%wrapped
+  %by_device = (s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) tuple(%j, %w, %shared_done)
+  %by_constant = (s32[], bf16[4,64,64]{2,1,0}, bf16[8,64]{1,0}) tuple(%two, %w, %shared_done)
+  %pick = bf16[8,64]{1,0} conditional(%p, %by_device, %by_constant), true_computation=%branch, false_computation=%branch
   ROOT %last = bf16[8,64]{1,0} get-tuple-element(%loop), index=3
 }
 """.replace("{DSF}", "{" + DSF + "}")
@@ -344,20 +375,28 @@ ENTRY %main (w: bf16[4,64,64], j: s32[], h: bf16[8,64]) -> bf16[8,64] {
 
 def test_slice_offsets_read_from_the_device_cost_a_host_sync():
     """A dynamic-slice fusion (a GEMM reading a weight slice in place) whose offset is a function of the loop's
-    induction variable (or a constant) runs from host-known offsets; one whose offset is a value the device
-    carries (``%c#1``) makes XLA:GPU copy it to the host and wait, at each of the loop's 4 iterations, also
-    when the fusion runs inside an async computation."""
+    induction variable (or a constant), also when computed inside the fusion, runs from host-known offsets;
+    one whose offset is a value the device carries (``%j``, ``%c#1``) makes XLA:GPU copy it to the host and
+    wait, at each of the loop's 4 iterations, also inside an async computation (shared with a start whose
+    offset is a constant) or a conditional's branch (bound to its caller's operand)."""
     m = model_of(SLICE_OFFSETS)
-    body = {i.name: i for i in m.module.computations["body"]}
-    assert body["by_value"].elements == (2, 1, None) and body["by_value"].slice_fusion
+    body = m.module.instr("body")
+    assert body["start"].elements == (2, 1, None) and body["by_value"].slice_fusion
     assert m.module.instr("main")["loop"].induction == 0
     assert m.offsets_on_host("body", body["by_step"])  # (the induction variable plus one)
+    assert m.offsets_on_host("body", body["inside_step"])  # (plus one inside the fusion)
     assert not m.offsets_on_host("body", body["by_value"])
+    assert not m.offsets_on_host("body", body["inside_value"])
     assert m.offsets_on_host("main", m.module.instr("main")["once"])  # a constant
+    f = m.module.instr("branch")["f"]
+    assert not m.offsets_on_host("branch", f, ("main", "pick", 1, None))  # the true branch: %j
+    assert m.offsets_on_host("branch", f, ("main", "pick", 2, None))  # the false branch: a constant
     t = m.run()
-    assert t.host_syncs == 4 * 2  # by_value and the async one, per iteration; the loop's trip is known
+    # by_value, inside_value and the async one per iteration (the loop's trip is known), nothing for the
+    # shared async start with a constant offset; the conditional and its costlier (first) branch's %j
+    assert t.host_syncs == 4 * 3 + 1 + 1
     unknown = model_of(SLICE_OFFSETS.replace(',"known_induction_variable":{"tuple_index":"0"}', ""))
-    assert unknown.run().host_syncs == 4 * 3  # without a known induction variable no offset in the body is
+    assert unknown.run().host_syncs == 4 * 5 + 2  # without a known induction variable no offset in the body is
 
 
 # ------------------------------------------------------------------------------------------- weight copies

@@ -73,11 +73,15 @@ def test_rows_say_their_prompt_and_gen_lengths(tmp_path, capsys):
     """``--prompt`` / ``--gen`` build the programs for another geometry (the state's sequence holds both), each
     row says which, and the defaults hold again after the run; a generation that is not whole blocks is a
     one-line error."""
-    out = tmp_path / "rows.json"
-    assert tpu_proxy.main(["--smoke", "--prompt", "64", "--gen", "64", "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())
-    assert (row["prompt"], row["gen"], row["fits"]) == (64, 64, True)
-    assert "block_polestar_b1 (prompt 64 + gen 64)" in capsys.readouterr().out
+    rows = {}
+    for gen in (64, 128):
+        out = tmp_path / f"rows{gen}.json"
+        assert tpu_proxy.main(["--smoke", "--prompt", "64", "--gen", str(gen), "--json", str(out)]) == 0
+        (rows[gen],) = json.loads(out.read_text())
+        assert (rows[gen]["prompt"], rows[gen]["gen"], rows[gen]["fits"]) == (64, gen, True)
+        assert f"block_polestar_b1 (prompt 64 + gen {gen})" in capsys.readouterr().out
+    # (the state going in, its K/V cache and sequence, grows with the generation)
+    assert rows[128]["argument_bytes"] > rows[64]["argument_bytes"]
     assert (tpu_proxy.PROMPT, tpu_proxy.GEN) == (256, 256)
     with pytest.raises(SystemExit) as e:
         tpu_proxy.parse_args(["--gen", "40"])
