@@ -113,6 +113,28 @@ def lowering_target(platform: str, device_kind: str = ABSTRACT_GPU_KIND) -> Iter
         yield
 
 
+_TARGET = contextvars.ContextVar("polestar_program_target", default=None)
+
+
+@contextlib.contextmanager
+def program_target(platform: Optional[str]) -> Iterator[None]:
+    """Within: the programs traced and the states built are for devices of ``platform`` (``"cpu"``,
+    ``"gpu"``, ``"tpu"``; None: this process's default backend), which may not be this process's (an
+    engine whose parameters live on a TPU topology compiles ahead of time from a CPU host). What depends on
+    the target rather than on the tracing (where Polestar's store lives: ``decode.polestar.offload``) reads
+    :func:`target_platform`."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target_platform() -> Optional[str]:
+    """The platform set by the innermost :func:`program_target` (None: none set, the default backend's)."""
+    return _TARGET.get()
+
+
 _STAGED = contextvars.ContextVar("polestar_kernels_staged", default=False)
 
 

@@ -253,7 +253,8 @@ def test_polestar_block_with_its_store_in_host_memory_compiles_for_tpu(offload):
     """Polestar's hidden-state store offloaded (``--offload-hidden``) compiles for a TPU in a fixed batch, the
     store in the chip's host memory (``S(5)``) as 32-bit words (:func:`polestar_jax.decode.polestar.offload.packed`:
     with int8 / bf16 arrays there XLA:TPU stopped at a tile mismatch or at a host computation in a
-    conditional). A running batch does not compile so (engine.running_spec says so in one line: test_offload)."""
+    conditional). A running batch does not compile so; an engine compiling for a TPU keeps the store in device
+    memory, as on a TPU (test_tpu_proxy)."""
     hlo, _ = _block_program(_one_chip("v5e:2x2"), _BF, False, "float", offload)
     words = {"int8": 64 // 4, "bf16": 64 // 2}[offload]  # (d_model 64)
     assert re.search(r"u32\[2,2,24," + str(words) + r"\]\{[^}]*S\(5\)\}", hlo)  # [N, b, R, words] on the host

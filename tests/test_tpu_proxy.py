@@ -150,3 +150,35 @@ def test_int8_weights_shard_as_their_float_weights():
     assert wo.scale.sharding.spec == P(None, None, None)
     chip = lambda tree: sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
     assert 0.45 < chip(q) / chip(f) < 0.55
+
+
+@needs_libtpu
+def test_an_engine_compiling_for_a_tpu_keeps_the_store_where_a_tpu_does():
+    """``--offload-hidden int8`` in an engine whose parameters live on a TPU topology (compiled ahead of time
+    from this CPU host, which has host memory for the store): the store stays in device memory, int8 as asked
+    and not packed into host words, with the warning a TPU process gives, as on a TPU
+    (``offload.NO_HOST_STORE_PLATFORMS``); so a running batch compiles too. Outside the engine this process's
+    own backend still decides (the store goes to its host memory)."""
+    from polestar_jax.config import DecodeConfig, PolestarConfig
+    from polestar_jax.decode.polestar import offload
+    from polestar_jax.engine.engine import running_spec
+
+    tpu_proxy.name_platform()
+    cfg = tpu_proxy.model_config(None, smoke=True)
+    engine = tpu_proxy.make_engine(cfg, tpu_proxy.topology_mesh("v5e:1x1"))
+    assert engine.platform == "tpu"
+    dcfg = DecodeConfig(decoder="polestar", gen_length=32, block_length=32, threshold=0.9,
+                        polestar=PolestarConfig(offload_hidden="int8"))
+    with pytest.warns(RuntimeWarning, match="'tpu'.*stay in device memory"):
+        state = engine.initial_state([[5] * 32] * 2, dcfg, 32, 0, None, None, abstract=True)
+    hs = state.policy_state.hs
+    assert hs.dtype == np.int8 and hs.sharding.memory_kind == "device", (hs.dtype, hs.sharding)
+    spec = running_spec(engine, dcfg, 2)  # (refused before: the store was in host memory)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    knobs = tpu_proxy.abstract(jax.eval_shape(lambda: engine.knobs(dcfg, 2)),
+                               NamedSharding(engine.mesh, PartitionSpec()))
+    prog, _ = engine.block_program(engine.params, state, knobs, spec)
+    assert "S(5)" not in prog.as_text()  # nothing in the chip's host memory
+    # (outside an engine: the process's backend, this CPU, has host memory for it)
+    assert offload.host_memory_available() and not offload.host_memory_available("tpu")

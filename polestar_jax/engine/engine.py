@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from polestar_jax.compat import program_target
 from polestar_jax.engine import executables, images as image_table, snapshot
 from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block, policy_for
 from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
@@ -233,7 +234,8 @@ class Engine:
         if prog is not None:  # stored by an earlier process: no tracing at all
             rec = CompileRecord(what, 0.0, time.perf_counter() - t0, True, from_store=True)
         else:
-            lowered = build()
+            with program_target(self.platform):  # (traced for this engine's devices, wherever it runs)
+                lowered = build()
             t1 = time.perf_counter()
             hits = cache_hits()
             prog = lowered.compile(compiler_options(platform_of(key)))
@@ -349,8 +351,10 @@ class Engine:
     def initial_state(self, prompts, dcfg, prompt_slot, seed, rows, gen_lengths, abstract: bool = False) -> DecodeState:
         """The decode state of ``prompts`` on this engine's mesh, dtype and builders (:func:`init_decode_state`;
         ``abstract``: shape structs with their shardings, for ahead-of-time compiles)."""
-        return init_decode_state(self.config, dcfg, prompts, prompt_slot, seed=seed, rows=rows, dtype=self.dtype,
-                                 mesh=self.mesh, gen_lengths=gen_lengths, builders=self._builders, abstract=abstract)
+        with program_target(self.platform):  # (built for this engine's devices, wherever it runs)
+            return init_decode_state(self.config, dcfg, prompts, prompt_slot, seed=seed, rows=rows, dtype=self.dtype,
+                                     mesh=self.mesh, gen_lengths=gen_lengths, builders=self._builders,
+                                     abstract=abstract)
 
     # ----------------------------------------------------------------------------------- fixed batches
     def run(self, prompts: Sequence[Sequence[int]], dcfg: DecodeConfig, seed: int = 0,

@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from polestar_jax.compat import compute_on_host
+from polestar_jax.compat import compute_on_host, target_platform
 from polestar_jax.config import GPU_PLATFORMS, PolestarConfig
 from polestar_jax.kernels.refresh import dequantize_rows, gather_rows, quantize_rows, scatter_rows
 
 HOST_MEMORY_KIND = "pinned_host"
 
 __all__ = ["HOST_MEMORY_KIND", "NO_HOST_STORE_PLATFORMS", "host_store_supported", "host_memory_available",
-           "uses_host", "store_dtype", "packed", "store_shape", "running_problem", "encode", "decode", "to_host",
+           "uses_host", "store_dtype", "packed", "store_shape", "encode", "decode", "to_host",
            "fetch_rows", "write_rows", "place_store"]
 
 
@@ -61,18 +61,26 @@ def host_store_supported(dev) -> bool:
     return any(m.kind == HOST_MEMORY_KIND for m in dev.addressable_memories())
 
 
-@functools.lru_cache(maxsize=None)
 def host_memory_available(platform: Optional[str] = None) -> bool:
-    """Whether the store can be offloaded on the default device (of ``platform``): it has ``pinned_host``
-    memory and the refresh step compiles with the store there (:func:`host_store_supported`)."""
+    """Whether the store can be offloaded for programs of ``platform`` (default: the target the engine is
+    building for, :func:`polestar_jax.compat.target_platform`, else this process's default backend): not one
+    of :data:`NO_HOST_STORE_PLATFORMS`, and its default device has ``pinned_host`` memory (a platform this
+    process cannot reach, only compiles for, has none)."""
+    return _host_memory_available(platform or target_platform())
+
+
+@functools.lru_cache(maxsize=None)
+def _host_memory_available(platform: Optional[str]) -> bool:
+    if platform in NO_HOST_STORE_PLATFORMS:
+        return False
     try:
         return host_store_supported(jax.devices(platform)[0] if platform else jax.devices()[0])
-    except Exception:  # noqa: BLE001 - a backend without memory spaces
+    except Exception:  # noqa: BLE001 - a backend without memory spaces, or none in this process
         return False
 
 
 def uses_host(pc: PolestarConfig) -> bool:
-    """True when the store is offloaded and this backend can hold it in host memory."""
+    """True when the store is offloaded and the target can hold it in host memory (:func:`host_memory_available`)."""
     return pc.offload_hidden != "none" and host_memory_available()
 
 
@@ -212,31 +220,20 @@ def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple
     if pc.offload_hidden == "none":
         return hs, hs_scale
     if not host_memory_available():
-        _warn_no_host(jax.default_backend())
+        _warn_no_host(target_platform() or jax.default_backend())
         return hs, hs_scale
     put = lambda a: jax.device_put(a, a.sharding.with_memory_kind(HOST_MEMORY_KIND))
     return put(hs), put(hs_scale)
 
 
-def running_problem(pc: PolestarConfig, platform: str) -> Optional[str]:
-    """Why a running batch with this store does not compile for ``platform``, or None: a store in host
-    memory for a TPU (a program compiled ahead for one from a host that offloads; on a TPU itself the store
-    stays in device memory, :data:`NO_HOST_STORE_PLATFORMS`). The per-row program maps each row over the
-    store's batch axis, and XLA:TPU moves that axis with a transpose it cannot place in host memory (an
-    internal error at compile time, jax 0.12 with libtpu 0.0.50.1, even where a fixed batch compiles:
-    ``tests/test_tpu_compile.py``)."""
-    if platform == "tpu" and pc.offload_hidden != "none" and host_memory_available():
-        return (f"a running batch (the server, RunningBatch) does not compile for a TPU with Polestar's store in "
-                f"host memory (--offload-hidden {pc.offload_hidden}); leave it none there")
-    return None
-
-
 def abstract_store(hs, hs_scale) -> tuple:
     """:func:`place_store` for abstract arrays (``jax.ShapeDtypeStruct``): the store placed in host memory
-    where the backend has it, so an ahead-of-time compile sees the store where the engine puts it: a struct
-    with a sharding (a mesh's, a TPU topology's) keeps it, in ``pinned_host`` memory; one without is on the
-    default device."""
+    where the target has it (:func:`host_memory_available`), so an ahead-of-time compile sees the store where
+    the engine puts it on that target: a struct with a sharding (a mesh's, a TPU topology's) keeps it, in
+    ``pinned_host`` memory; one without is on the default device. Elsewhere it stays in device memory, with
+    :func:`place_store`'s warning."""
     if not host_memory_available():
+        _warn_no_host(target_platform() or jax.default_backend())
         return hs, hs_scale
 
     def put(a):

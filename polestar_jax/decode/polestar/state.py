@@ -172,5 +172,4 @@ def _memory(pol: PolestarState, batch: int, pc: PolestarConfig) -> dict:
 
 #: Polestar's state through the generic hooks (``Policy.own``).
 POLESTAR_STATE = PolicyState(config_of=_config_of, init=_init, place=_place, at_rest=_at_rest, reshape=_reshape,
-                             compactable=_compactable, stats=_stats, memory=_memory,
-                             running_problem=offload.running_problem)
+                             compactable=_compactable, stats=_stats, memory=_memory)
