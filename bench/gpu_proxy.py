@@ -252,10 +252,12 @@ def compile_block(decoder: str, batch: int, running: bool, setup: Setup) -> tupl
     import jax
     import jax.numpy as jnp
     from bench import gpu_check  # (its init_decode_state: the engine's state builder, wherever it lives)
+    from polestar_jax.compat import program_target
 
     engine, dcfg, spec, _ = block_spec(decoder, batch, running, setup)
     prompts = [[5] * PROMPT] * batch
-    state = gpu_check.init_decode_state(setup.cfg, dcfg, prompts, PROMPT, abstract=True, dtype=jnp.bfloat16)
+    with program_target(engine.platform):  # (the state laid out for the GPU, as the engine's own states)
+        state = gpu_check.init_decode_state(setup.cfg, dcfg, prompts, PROMPT, abstract=True, dtype=jnp.bfloat16)
     state = abstract(state, setup.sharding)
     knobs = abstract(jax.eval_shape(lambda: engine.knobs(dcfg, batch if running else None)), setup.sharding)
     t0 = time.perf_counter()

@@ -271,8 +271,9 @@ def test_an_engine_for_a_tpu_keeps_the_store_in_device_memory(monkeypatch, tiny_
     """Where the store lives follows the devices an engine's parameters live on, not this process's backend:
     for a TPU (``offload.NO_HOST_STORE_PLATFORMS``: XLA:TPU did not compile LLaDA-8B's programs with it in
     host memory, nor any per-row program) it stays in device memory, in the offload dtype, with a warning, and
-    a running batch is built; on this CPU it goes to host memory. (An engine on a real TPU topology, compiled
-    ahead of time: tests/test_tpu_proxy.py.)"""
+    a running batch's spec is built, its steps compacted as with no offload (rows of a store in device memory
+    may be gathered); on this CPU it goes to host memory and steps are not compacted. (An engine on a real TPU
+    topology, compiled ahead of time: tests/test_tpu_proxy.py.)"""
     from polestar_jax.engine.engine import Engine, running_spec
 
     cfg, params = tiny_p
@@ -281,9 +282,12 @@ def test_an_engine_for_a_tpu_keeps_the_store_in_device_memory(monkeypatch, tiny_
                                    polestar=PolestarConfig(offload_hidden=mode))
     here = eng.initial_state([[1, 2, 3]] * 2, dc("int8"), 8, 0, None, None)
     assert (here.policy_state.hs.sharding.memory_kind == OF.HOST_MEMORY_KIND) == OF.host_memory_available()
+    if OF.host_memory_available():
+        assert running_spec(eng, dc("int8"), 72).compact_rows == 0 < running_spec(eng, dc("none"), 72).compact_rows
     monkeypatch.setattr(Engine, "platform", property(lambda self: "tpu"))
     for mode in ("int8", "bf16"):
         assert running_spec(eng, dc(mode), 4).per_row
+        assert running_spec(eng, dc(mode), 72).compact_rows == running_spec(eng, dc("none"), 72).compact_rows == 9
         with pytest.warns(RuntimeWarning, match="'tpu'.*stay in device memory"):
             state = eng.initial_state([[1, 2, 3]] * 2, dc(mode), 8, 0, None, None)
         hs = state.policy_state.hs

@@ -84,8 +84,6 @@ class PolicyState(NamedTuple):
     memory(part, batch, config) -> dict   per-sequence bytes for the memory plan: ``stored`` (a store that may
                                           live in host memory), ``other``, ``stored_memory`` (its memory kind) and
                                           ``transient`` (device bytes the store needs while a layer runs)
-    running_problem(config, platform)     why a running batch (per-row programs) of this config does not
-      -> str | None                       compile for ``platform`` (a one-line error), or None
     """
 
     config_of: Callable[..., Any]
@@ -96,7 +94,6 @@ class PolicyState(NamedTuple):
     compactable: Callable[[Any], bool]
     stats: Callable[[Any], dict]
     memory: Callable[[Any, int, Any], dict]
-    running_problem: Callable[[Any, str], Optional[str]] = lambda config, platform: None
 
 
 # ---------------------------------------------------------------------------------------- building

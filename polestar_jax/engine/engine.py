@@ -534,18 +534,15 @@ def running_spec(engine: Engine, dcfg: DecodeConfig, size: int, sampling: bool =
     blocks; its step chunk, :func:`compact_width` unless ``compact_rows`` sets it; ``sampling``: the sampling
     variant). Ahead-of-time compiles (``bench.tpu_proxy``, ``bench.gpu_proxy``) build the same spec."""
     spec = dataclasses.replace(engine.spec(dcfg), per_row=True)  # rows join and leave at any block boundary
-    own = policy_for(spec.decoder).own
-    problem = None if own is None else own.running_problem(spec.own_config, engine.platform)
-    if problem:
-        raise PolestarError(problem)
     sharded = engine.mesh is not None and engine.mesh.shape.get("data", 1) > 1
-    auto = compact_width(size, spec, sharded, engine.platform)
-    if compact_rows is not None and compact_rows != auto:
-        if compact_rows < 0:
-            raise PolestarError(f"compact_rows must be >= 0, got {compact_rows}")
-        if compact_rows and (sharded or compact_width(1 << 30, spec) == 0):
-            raise PolestarError("compacted steps need an unsharded batch and Polestar's store in device memory")
-        auto = int(compact_rows) if compact_rows < size else 0
+    with program_target(engine.platform):  # (whether the store sits in host memory: the engine's devices)
+        auto = compact_width(size, spec, sharded, engine.platform)
+        if compact_rows is not None and compact_rows != auto:
+            if compact_rows < 0:
+                raise PolestarError(f"compact_rows must be >= 0, got {compact_rows}")
+            if compact_rows and (sharded or compact_width(1 << 30, spec) == 0):
+                raise PolestarError("compacted steps need an unsharded batch and Polestar's store in device memory")
+            auto = int(compact_rows) if compact_rows < size else 0
     spec = dataclasses.replace(spec, compact_rows=auto)
     if sampling:  # the sampling variant: per-row temperatures, 0 included (x + 0 * noise = x: greedy tokens)
         spec = dataclasses.replace(spec, stochastic=True)

@@ -155,7 +155,8 @@ def _reshape(a: jax.Array, shape: tuple, spec) -> jax.Array:
 
 
 def _compactable(spec) -> bool:
-    return spec.own_config.offload_hidden == "none"
+    """Rows may be gathered unless the store sits in host memory (for the target: ``offload.uses_host``)."""
+    return not offload.uses_host(spec.own_config)
 
 
 def _stats(pol: PolestarState) -> dict:
