@@ -106,10 +106,12 @@ def measure(name: str, setup=None) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     gpu_proxy.name_platform()
     ap = argparse.ArgumentParser(prog="python -m bench.command_buffers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated, of {', '.join(PROGRAMS)}")
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", help="write the rows here (and the run's date, command, versions and load beside "
+                    "it, FILE's name with .meta.json)")
     args = ap.parse_args(argv)
     names = [p for p in args.programs.split(",") if p]
     bad = [p for p in names if p not in PROGRAMS]
@@ -121,14 +123,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    meta = gpu_proxy.provenance(argv, "bench.command_buffers")
     setup = gpu_proxy.make_setup(2) if any(n not in TOYS for n in names) else None
     rows = [measure(n, setup) for n in names]
     print("| program | control flow on the host | on the device |\n|---|---:|---:|")
     for r in rows:
         print(f"| {r['program']} | {r['on_host']} | {r['on_device']} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        meta["uptime_after"] = gpu_proxy._output(["uptime"])
+        for path, obj in ((args.json, rows), (gpu_proxy.meta_path(args.json), meta)):
+            with open(path, "w") as f:
+                json.dump(obj, f, indent=1)
+                f.write("\n")
     return 0
 
 

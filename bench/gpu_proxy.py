@@ -376,14 +376,15 @@ def _output(cmd: list[str]) -> Optional[str]:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def provenance(argv: list[str]) -> dict:
-    """Date, command, versions, commit (None outside a git checkout) and machine load of a run."""
+def provenance(argv: list[str], module: str = "bench.gpu_proxy") -> dict:
+    """Date, command (``python -m module argv``), versions, commit (None outside a git checkout) and machine
+    load of a run."""
     import jax
     import jaxlib
 
     dirty = _output(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"])
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python -m bench.gpu_proxy", *argv]), "jax_version": jax.__version__,
+            "command": " ".join([f"python -m {module}", *argv]), "jax_version": jax.__version__,
             "jaxlib_version": jaxlib.__version__,
             "plugin_versions": {d: importlib.metadata.version(d) for d in PLUGIN_DISTS},
             "source": os.path.dirname(HERE), "commit": _output(["git", "-C", HERE, "rev-parse", "--short", "HEAD"]),

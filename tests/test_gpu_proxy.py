@@ -683,5 +683,7 @@ def test_a_loop_over_stacked_weights_stays_on_the_host(tmp_path):
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["program"]: r for r in json.loads(out.read_text())}
+    meta = json.loads((tmp_path / "rows.meta.json").read_text())
+    assert meta["command"].startswith("python -m bench.command_buffers --programs") and meta["jax_version"]
     assert rows["toy_stacked"] == {"program": "toy_stacked", "on_host": 2, "on_device": 0}
     assert rows["toy_per_layer"] == {"program": "toy_per_layer", "on_host": 0, "on_device": 1}

@@ -26,7 +26,7 @@ import collections
 import dataclasses
 import time
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ from jax import lax
 
 from polestar_jax.compat import program_target
 from polestar_jax.engine import executables, images as image_table, snapshot
-from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block, policy_for
+from polestar_jax.decode.block import EngineSpec, Knobs, compact_width, decode_block
 from polestar_jax.engine.compile_cache import CompileRecord, cache_hits
 from polestar_jax.config import GPU_PLATFORMS, DecodeConfig, ModelConfig
 from polestar_jax.errors import PolestarError

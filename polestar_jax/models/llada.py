@@ -373,9 +373,10 @@ class CacheSlot(NamedTuple):
         return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, t, axis=axis), self.layer())
 
     def put_rows(self, new: Any, start: Any, axis: int, keep: Optional[jax.Array] = None) -> "CacheSlot":
-        """The slot with ``new`` written at ``[start, start + T)`` along ``axis`` of layer ``i``'s buffers where
-        ``keep`` (broadcast to each buffer's T rows, an int8 cache's scales included; None: everywhere; the
-        old entries elsewhere), in place: only the rows move (a whole-layer copy would move the layer's cache
+        """The slot with ``new`` (each [b, ..., T, ...], T along ``axis``; float rows, quantized here for an
+        int8 buffer) written at ``[start, start + T)`` along ``axis`` of layer ``i``'s buffers where ``keep``
+        (bool, broadcast to each buffer's rows, an int8 cache's [.., 1] scales included: [b, 1, T, 1] for the
+        K/V; None: everywhere; the old entries elsewhere), in place: only the rows move (a whole-layer copy would move the layer's cache
         twice per layer). An int8 buffer of a fixed batch is written through whole tiles on a TPU
         (:func:`_put_rows_tiled`, where :func:`_tiled_write` says; equal values)."""
         new = kv_quant.stored_like(self.buffers, new)

@@ -220,7 +220,7 @@ def place_store(hs: jax.Array, hs_scale: jax.Array, pc: PolestarConfig) -> tuple
     if pc.offload_hidden == "none":
         return hs, hs_scale
     if not host_memory_available():
-        _warn_no_host(target_platform() or jax.default_backend())
+        _warn_no_host()
         return hs, hs_scale
     put = lambda a: jax.device_put(a, a.sharding.with_memory_kind(HOST_MEMORY_KIND))
     return put(hs), put(hs_scale)
@@ -233,7 +233,7 @@ def abstract_store(hs, hs_scale) -> tuple:
     ``pinned_host`` memory; one without is on the default device. Elsewhere it stays in device memory, with
     :func:`place_store`'s warning."""
     if not host_memory_available():
-        _warn_no_host(target_platform() or jax.default_backend())
+        _warn_no_host()
         return hs, hs_scale
 
     def put(a):
@@ -245,7 +245,9 @@ def abstract_store(hs, hs_scale) -> tuple:
     return put(hs), put(hs_scale)
 
 
-def _warn_no_host(backend: str) -> None:
+def _warn_no_host() -> None:
+    """The warning of a store asked for host memory that stays in device memory (for the target's backend)."""
+    backend = target_platform() or jax.default_backend()
     why = (f"the Polestar block program does not compile on {backend!r} with the store in '{HOST_MEMORY_KIND}' "
            "memory (an XLA error: docs/kernels.md)" if backend in NO_HOST_STORE_PLATFORMS
            else f"backend {backend!r} has no '{HOST_MEMORY_KIND}' memory")
